@@ -1,0 +1,147 @@
+"""Accelerator abstraction: which device, its torch module, pinned host memory, stream-safe release.
+
+Knows nothing about optimizers. Detection order: SWAPOPT_DEVICE (auto|cuda|npu|cpu|sim), then an
+active simulator, then Ascend NPU (torch_npu), then CUDA, then CPU. NPU comes before CUDA because
+`torch_npu.contrib.transfer_to_npu` makes `torch.cuda` answer for the NPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import os
+import sys
+from typing import Any
+
+import torch
+from loguru import logger
+
+from device import sim
+
+# A library stays quiet unless the application asks (the swapopt CLIs call logger.enable).
+logger.disable("device")
+
+__all__ = [
+    "CHOICES",
+    "get_device",
+    "get_torch_device_module",
+    "is_host_tensor",
+    "pinned_empty",
+    "record_stream",
+    "sim",
+    "torch_device",
+]
+
+CHOICES = ("auto", "cuda", "npu", "cpu", "sim")
+ENV = "SWAPOPT_DEVICE"
+
+
+@functools.cache
+def _torch_npu_installed() -> bool:
+    return importlib.util.find_spec("torch_npu") is not None
+
+
+def _npu_available() -> bool:
+    if "torch_npu" not in sys.modules and not _torch_npu_installed():
+        return False
+    try:
+        importlib.import_module("torch_npu")
+    except Exception:  # torch_npu present but CANN missing or broken
+        return False
+    npu = getattr(torch, "npu", None)
+    return npu is not None and bool(npu.is_available())
+
+
+def _requested() -> str:
+    value = os.environ.get(ENV, "auto").strip().lower() or "auto"
+    if value not in CHOICES:
+        raise ValueError(f"{ENV}={os.environ[ENV]!r} is not a device choice; choose one of: {', '.join(CHOICES)}")
+    return value
+
+
+def get_device() -> str:
+    """"npu" | "cuda" | "sim" | "cpu"."""
+    requested = _requested()
+    if requested == "npu":
+        if not _npu_available():
+            raise RuntimeError(
+                f"{ENV}=npu but no Ascend NPU is usable: torch_npu must import and torch.npu.is_available() "
+                "must be true (install torch_npu and the CANN toolkit, and source CANN's set_env.sh)"
+            )
+        return "npu"
+    if requested == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"{ENV}=cuda but torch.cuda.is_available() is false (no CUDA GPU or a CPU-only torch)")
+        return "cuda"
+    if requested in ("cpu", "sim"):
+        return requested
+    if sim.active() is not None:
+        return "sim"
+    if _npu_available():
+        return "npu"
+    if torch.cuda.is_available():
+        return "cuda"
+    return "cpu"
+
+
+def get_torch_device_module(device: str | None = None) -> Any:
+    """torch.cuda, torch.npu, the active SimDevice (the process-wide one under SWAPOPT_DEVICE=sim) or torch.cpu."""
+    device = device or get_device()
+    if device == "sim":
+        return sim.active() or sim.process_device()
+    if device == "npu":
+        return torch.npu
+    if device == "cuda":
+        return torch.cuda
+    if device == "cpu":
+        return torch.cpu
+    raise ValueError(f"unknown device {device!r}; choose one of: npu, cuda, sim, cpu")
+
+
+def torch_device(device: str | None = None) -> torch.device:
+    """Where accelerator tensors live: cuda:N / npu:N; cpu for the simulator and plain CPU."""
+    device = device or get_device()
+    if device in ("cuda", "npu"):
+        return torch.device(device, get_torch_device_module(device).current_device())
+    return torch.device("cpu")
+
+
+def _sim_for(device: str) -> sim.SimDevice | None:
+    return get_torch_device_module(device) if device == "sim" else None
+
+
+def pinned_empty(size: Any, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Uninitialized host memory for async copies: pinned on cuda/npu, registered host memory on the simulator."""
+    device = get_device()
+    simulated = _sim_for(device)
+    if simulated is not None:
+        return simulated.pinned_empty(size, dtype)
+    return torch.empty(size, dtype=dtype, pin_memory=device in ("cuda", "npu"))
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    local = getattr(t, "_local_tensor", None)  # DTensor: look at this rank's shard
+    return local if isinstance(local, torch.Tensor) else t
+
+
+def is_host_tensor(t: torch.Tensor) -> bool:
+    """Whether t (or a DTensor's local shard) is host memory on the current device."""
+    device = get_device()
+    t = _local(t)
+    simulated = _sim_for(device)
+    if simulated is not None:
+        return simulated.is_host(t)
+    if device == "cpu":
+        return True
+    return t.device.type == "cpu"
+
+
+def record_stream(t: torch.Tensor, stream: Any) -> None:
+    """Mark t as used by `stream`, so freeing it waits for that stream's queued work."""
+    device = get_device()
+    simulated = _sim_for(device)
+    if simulated is not None:
+        simulated.record_stream(t, stream)
+    elif device != "cpu":
+        _local(t).record_stream(stream)

@@ -1,0 +1,145 @@
+"""What an aten op does to memory, read from its schema: which tensor arguments it reads, writes in place,
+writes as out=, or only looks at; whether it creates tensors; which ops copy, allocate or make the host wait."""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+def _packets(*names: str) -> frozenset:
+    """The aten op packets of these names that this torch version has."""
+    return frozenset(p for p in (getattr(torch.ops.aten, n, None) for n in names) if p is not None)
+
+
+_COPY = _packets("copy_", "_to_copy", "_copy_from", "_copy_from_and_resize", "copy", "_foreach_copy_", "_foreach_copy")
+# Allocation without a kernel: no launch, no data access.
+_ALLOC_ONLY = _packets("empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "empty_permuted")
+# Schema says "writes self" but only metadata changes.
+_METADATA = _packets(
+    "set_", "resize_", "resize_as_", "as_strided_", "detach_", "squeeze_", "unsqueeze_", "t_", "transpose_",
+    "swapdims_", "_resize_output_", "record_stream",
+)  # fmt: skip
+# Device kernels that accept host tensors (indices are moved by the framework).
+_MIXED_OK = _packets("index", "index_put", "index_put_", "_index_put_impl_", "_unsafe_index", "_unsafe_index_put")
+# Output size depends on data: the host waits for the result.
+_SYNC = _packets(
+    "nonzero", "masked_select", "_unique", "_unique2", "unique_dim", "unique_consecutive", "_local_scalar_dense"
+)
+# Factories that read only the shape and dtype of their tensor argument.
+_LIKE = _packets(
+    "zeros_like", "ones_like", "full_like", "rand_like", "randn_like", "randint_like", "new_zeros", "new_ones",
+    "new_full",
+) | _ALLOC_ONLY  # fmt: skip
+_LIFT_COPY = _packets("lift_fresh_copy")
+_LOCAL_SCALAR = _packets("_local_scalar_dense")
+
+
+@dataclass(frozen=True)
+class OpInfo:
+    name: str
+    # (position, name, role) of tensor-like arguments; role: "r" read, "w" read-modify-write (in place),
+    # "o" write only (out=), "v" no data access (view source, shape template, metadata change)
+    roles: tuple[tuple[int, str, str], ...]
+    new_outputs: bool  # returns a tensor that aliases no input
+    value_return: bool  # returns a Python value computed from data (.item(), equal): the host waits
+    copy: bool
+    alloc_only: bool
+    mixed_ok: bool
+    sync: bool
+    lift_copy: bool
+    local_scalar: bool
+
+
+@functools.cache
+def op_info(func: Any) -> OpInfo:
+    schema = func._schema
+    packet = func.overloadpacket
+    metadata = packet in _METADATA or packet in _LIKE
+    roles = []
+    for i, arg in enumerate(schema.arguments):
+        if "Tensor" not in str(arg.type):
+            continue
+        alias = arg.alias_info
+        if metadata or (alias is not None and not alias.is_write):
+            role = "v"
+        elif alias is not None:
+            role = "o" if arg.kwarg_only else "w"
+        else:
+            role = "r"
+        roles.append((i, arg.name, role))
+    returns = schema.returns
+    return OpInfo(
+        name=str(func),
+        roles=tuple(roles),
+        new_outputs=any(r.alias_info is None and "Tensor" in str(r.type) for r in returns),
+        value_return=any("Tensor" not in str(r.type) for r in returns),
+        copy=packet in _COPY,
+        alloc_only=packet in _ALLOC_ONLY,
+        mixed_ok=packet in _MIXED_OK,
+        sync=packet in _SYNC,
+        lift_copy=packet in _LIFT_COPY,
+        local_scalar=packet in _LOCAL_SCALAR,
+    )
+
+
+def tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [v for v in value if isinstance(v, torch.Tensor)]
+    return []
+
+
+def byte_range(t: torch.Tensor) -> tuple[int, int] | None:
+    """Bytes of its storage a view can touch: [first element, last element + 1)."""
+    if t.numel() == 0:
+        return None
+    itemsize = t.element_size()
+    offset = t.storage_offset()
+    span = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    return offset * itemsize, (offset + span) * itemsize
+
+
+@functools.cache
+def _arg_names(func: Any) -> tuple[str, ...]:
+    return tuple(a.name for a in func._schema.arguments)
+
+
+def arg_value(func: Any, args: tuple, kwargs: dict, name: str, default: Any = None) -> Any:
+    """The value passed for argument `name`, positionally or by keyword."""
+    names = _arg_names(func)
+    if name in names:
+        position = names.index(name)
+        if position < len(args):
+            return args[position]
+    return kwargs.get(name, default)
+
+
+def new_outputs(func: Any, out: Any) -> list[torch.Tensor]:
+    """Returned tensors that alias no input (dense CPU tensors only)."""
+    returns = func._schema.returns
+    values = out if isinstance(out, (tuple, list)) and len(returns) > 1 else (out,)
+    found = []
+    for ret, value in zip(returns, values):
+        if ret.alias_info is None:
+            found.extend(t for t in tensors(value) if t.device.type == "cpu" and t.layout is torch.strided)
+    return found
+
+
+def factory_bytes(func: Any, args: tuple, kwargs: dict) -> int:
+    """Bytes a factory (empty, zeros, full, empty_strided...) will allocate; 0 when the size is not given."""
+    size = arg_value(func, args, kwargs, "size")
+    if not isinstance(size, (list, tuple)) or not all(isinstance(s, int) for s in size):
+        return 0
+    dtype = arg_value(func, args, kwargs, "dtype") or torch.get_default_dtype()
+    stride = arg_value(func, args, kwargs, "stride")
+    if isinstance(stride, (list, tuple)) and len(stride) == len(size):
+        numel = 0 if 0 in size else 1 + sum((s - 1) * st for s, st in zip(size, stride))
+    else:
+        numel = math.prod(size)
+    return numel * dtype.itemsize

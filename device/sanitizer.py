@@ -1,0 +1,135 @@
+"""Happens-before race detection between streams and the host, with vector clocks.
+
+Actors are the host (id 0) and each stream. Every op an actor runs gets the next epoch of that
+actor. An access (actor a, epoch e) happens before a later op of actor b when b's clock has seen
+epoch e of a: program order on one actor, or a chain of event waits / stream waits / synchronizes.
+Accesses are tracked per storage at byte-range granularity.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+HOST = 0
+
+Clock = dict[int, int]
+
+
+class StreamRaceError(RuntimeError):
+    """Two accesses to the same bytes, at least one a write, that nothing orders."""
+
+
+@dataclass(slots=True)
+class Access:
+    start: int  # byte range [start, end) within the storage
+    end: int
+    write: bool
+    actor: int
+    epoch: int
+    op: str  # "aten.copy_.default"
+    label: str | None  # innermost torch.profiler.record_function range
+    shape: tuple[int, ...]
+
+
+class Clocks:
+    """One vector clock per actor."""
+
+    def __init__(self) -> None:
+        self._vc: list[Clock] = [{HOST: 0}]
+        self._live: list[int] = [HOST]  # actors that can still run ops
+
+    def new_actor(self) -> int:
+        actor = len(self._vc)
+        self._vc.append({actor: 0})
+        self._live.append(actor)
+        return actor
+
+    def retire(self, actor: int) -> None:
+        self._live.remove(actor)
+
+    def clock(self, actor: int) -> Clock:
+        return self._vc[actor]
+
+    def actors(self) -> range:
+        return range(len(self._vc))
+
+    def tick(self, actor: int) -> int:
+        clock = self._vc[actor]
+        clock[actor] += 1
+        return clock[actor]
+
+    def snapshot(self, actor: int) -> Clock:
+        return dict(self._vc[actor])
+
+    def merge(self, actor: int, other: Clock) -> None:
+        clock = self._vc[actor]
+        for a, e in other.items():
+            if clock.get(a, 0) < e:
+                clock[a] = e
+
+    def merge_actor(self, actor: int, other_actor: int) -> None:
+        self.merge(actor, self._vc[other_actor])
+
+    def ordered(self, acc: Access, actor: int) -> bool:
+        """Whether `acc` happens before the next op of `actor`."""
+        return acc.actor == actor or self._vc[actor].get(acc.actor, 0) >= acc.epoch
+
+    def seen_by_all(self, acc: Access) -> bool:
+        """Whether every actor is already ordered after `acc`: it can never race again."""
+        return all(self._vc[a].get(acc.actor, 0) >= acc.epoch for a in self._live)
+
+
+class AccessLog:
+    """Recent accesses to one storage, kept small: records that a later access supersedes are dropped."""
+
+    __slots__ = ("records",)
+
+    _PRUNE_AT = 16
+
+    def __init__(self) -> None:
+        self.records: list[Access] = []
+
+    def conflict(self, acc: Access, clocks: Clocks) -> Access | None:
+        """The first recorded access that races with `acc`, or None."""
+        for rec in self.records:
+            if (
+                rec.start < acc.end
+                and acc.start < rec.end
+                and (acc.write or rec.write)
+                and not clocks.ordered(rec, acc.actor)
+            ):
+                return rec
+        return None
+
+    def add(self, acc: Access, clocks: Clocks) -> None:
+        """Record `acc` (already checked). An access that covers a record and follows it supersedes it when
+        it is a write, or when both are reads: whatever would race with the old record races with it."""
+        kept = [
+            rec
+            for rec in self.records
+            if not (
+                acc.start <= rec.start
+                and rec.end <= acc.end
+                and (acc.write or not rec.write)
+                and clocks.ordered(rec, acc.actor)
+            )
+        ]
+        kept.append(acc)
+        if len(kept) > self._PRUNE_AT:
+            kept = [rec for rec in kept if not clocks.seen_by_all(rec)]
+        self.records = kept
+
+
+def where(acc: Access, names: list[str]) -> str:
+    """"stream#1" or "stream#1 (in 'swap-in')": the actor's name and the record_function range."""
+    return f"{names[acc.actor]} (in {acc.label!r})" if acc.label else names[acc.actor]
+
+
+def race_message(acc: Access, rec: Access, storage_id: int, nbytes: int, names: list[str]) -> str:
+    return (
+        f"stream race on a tensor of shape {tuple(acc.shape)} (bytes [{acc.start}, {acc.end}) of storage "
+        f"#{storage_id}, {nbytes} bytes): {acc.op} on {where(acc, names)} {'writes' if acc.write else 'reads'} "
+        f"it while {rec.op} on {where(rec, names)} {'wrote' if rec.write else 'read'} bytes "
+        f"[{rec.start}, {rec.end}) (shape {tuple(rec.shape)}) and no event wait, stream wait or synchronize "
+        f"orders the two"
+    )

@@ -1,0 +1,30 @@
+"""swapopt: optimizer states in pinned host memory, streamed through the accelerator during step().
+
+Public API:
+    SwapOptimizer          wrap any per-parameter-state torch.optim optimizer
+    SwapConfig             pydantic config; ``SwapConfig(swap_optimizer=True).wrap(opt)``
+    SwapOptimizerOperate   the transfer engine (streams, staging slots, per-param events)
+    offload / onload       RL phase hooks (free staging memory / resume training)
+    put_optimizer_to_device  XTuner-style helper: False for a SwapOptimizer
+"""
+
+from loguru import logger
+
+from swapopt.config import SwapConfig
+from swapopt.offload import offload, offloaded, onload, put_optimizer_to_device
+from swapopt.operate import SwapOptimizerOperate
+from swapopt.optimizer import SwapOptimizer
+
+# A library stays quiet unless the application asks; the CLI calls logger.enable("swapopt").
+logger.disable("swapopt")
+
+__all__ = [
+    "SwapConfig",
+    "SwapOptimizer",
+    "SwapOptimizerOperate",
+    "offload",
+    "offloaded",
+    "onload",
+    "put_optimizer_to_device",
+]
+__version__ = "0.1.0"

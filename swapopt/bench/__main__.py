@@ -1,0 +1,172 @@
+"""``python -m swapopt.bench`` / ``swapopt-bench``: every optimizer-state strategy side by side.
+
+Examples::
+
+    swapopt-bench                       # the current accelerator, sizes from 0.1B to the largest that fits
+    swapopt-bench --sim h100            # the simulator's modeled timeline (deterministic)
+    swapopt-bench --sim 910b --sizes 0.1 --e2e none --out /tmp/bench
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+from loguru import logger
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+import device
+from swapopt.bench.report import Report, targets_for, write
+from swapopt.bench.run import BenchConfig, device_label, plan_length, run_size
+from swapopt.bench.sizes import auto_sizes
+from swapopt.bench.strategies import STRATEGY_DOCS
+
+DEFAULT_OUT = Path("bench/results")
+SIM_NOTE = (
+    "Simulated: every time is the timeline model's (copies = bytes / link rate, updates = bytes touched / "
+    "HBM rate, launch_us of host time per op), so once copies dwarf launches a step's time is linear in "
+    "its bytes and larger models scale these rows; state tensors are real host memory, which bounds the "
+    "sizes run here."
+)
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x]
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="swapopt-bench", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sim", metavar="PRESET", help="run on the simulator with this preset (h100, 910b)")
+    ap.add_argument("--sizes", type=_floats, help="model sizes in billions of params (default: 0.1,0.5 on the "
+                    "simulator; 0.1 up to the largest that fits on a device)")
+    ap.add_argument("--impl", choices=["fused", "foreach"], default="fused", help="AdamW kernel of every strategy")
+    ap.add_argument("--times", type=_ints, default=[8, 16, 32, 64], help="swapopt swap_optimizer_times sweep")
+    ap.add_argument("--slots", type=_ints, default=[2, 3], help="swapopt slots sweep")
+    ap.add_argument("--reference-times", type=_ints, default=[16, 64], help="one-in-flight chunkings")
+    ap.add_argument("--strategies", default=",".join(STRATEGY_DOCS),
+                    help=f"comma-separated subset of: {', '.join(STRATEGY_DOCS)}")
+    ap.add_argument("--warmup", type=int, default=None, help="warm-up steps (default 2; 1 simulated)")
+    ap.add_argument("--repeats", type=int, default=None,
+                    help="timed steps, median reported (default 5; 1 simulated: modeled time is deterministic)")
+    ap.add_argument("--sanitize", action="store_true",
+                    help="keep the simulator's stream sanitizer on (the tests do; off here it runs about 2x faster)")
+    ap.add_argument("--e2e", default=None, help="engine configs for the train-step comparison, comma-separated "
+                    "(default: tiny on the simulator, llm_1b on a device); 'none' to skip")
+    ap.add_argument("--e2e-steps", type=int, default=6, help="train steps per end-to-end run (first 2 are warm-up)")
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder (default bench/results)")
+    ap.add_argument("--tag", default="", help="suffix of the output file names (DEVICE-DATE-TAG.json ...)")
+    ap.add_argument("--render", type=Path, metavar="JSON", help="only rebuild the markdown and chart of a results JSON")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    ap.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    return ap.parse_args(argv)
+
+
+def _progress(disabled: bool) -> Progress:
+    return Progress(
+        TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        disable=disabled, transient=False,
+    )
+
+
+def _run(args: argparse.Namespace) -> list[Path]:
+    simulated = device.get_device() == "sim"
+    sizes = args.sizes or ([0.1, 0.5] if simulated else auto_sizes())
+    cfg = BenchConfig(
+        sizes=sizes, impl=args.impl, times=args.times, slots=args.slots, reference_times=args.reference_times,
+        strategies=[s for s in args.strategies.split(",") if s],
+        warmup=args.warmup if args.warmup is not None else (1 if simulated else 2),
+        repeats=args.repeats if args.repeats is not None else (1 if simulated else 5),
+    )
+    e2e_configs = [c for c in (args.e2e or ("tiny" if simulated else "llm_1b")).split(",") if c and c != "none"]
+    mod = device.get_torch_device_module()
+    label = device_label()
+    stem = f"{label}-{datetime.now(timezone.utc):%Y-%m-%d}" + (f"-{args.tag}" if args.tag else "")
+    args.out.mkdir(parents=True, exist_ok=True)
+    logger.info("benchmark on {} (torch {}), sizes {} B params", label, torch.__version__, sizes)
+
+    from swapopt.bench.plots import timeline_chart
+    from swapopt.bench.timeline import capture_step
+
+    timeline_png: list[Path] = []
+
+    def capture(strategy) -> None:
+        if timeline_png:
+            return
+        spans = capture_step(strategy)
+        if spans:
+            path = args.out / f"{stem}-timeline.png"
+            timeline_png.append(timeline_chart(spans, path, f"one swapopt step ({strategy.label}), {label}"))
+
+    results = []
+    with _progress(args.no_progress) as progress:
+        task = progress.add_task("strategies", total=plan_length(cfg) * len(sizes))
+        for size in sizes:
+            progress.update(task, description=f"{size:g}B")
+            results.append(run_size(size, cfg, on_done=lambda _: progress.advance(task), timeline_hook=capture))
+        e2e = []
+        if e2e_configs:
+            from swapopt.bench.e2e import run_e2e
+
+            e2e_task = progress.add_task("end to end", total=2 * len(e2e_configs))
+            for name in e2e_configs:
+                e2e += run_e2e(name, steps=args.e2e_steps, on_done=lambda: progress.advance(e2e_task))
+
+    preset = dataclasses.asdict(mod.preset) if simulated else None
+    name = label if simulated else f"{label} ({device.get_device()})"
+    report = Report(
+        device=device.get_device(), device_name=name, torch=torch.__version__,
+        date=f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC}", preset=preset, impl=cfg.impl,
+        sizes=results, targets=[targets_for(s) for s in results], e2e=e2e,
+        notes=[SIM_NOTE] if simulated else [],
+    )
+    return _write_outputs(report, args.out, stem, timeline_png[0] if timeline_png else None)
+
+
+def _write_outputs(report: Report, out: Path, stem: str, timeline: Path | None) -> list[Path]:
+    """JSON, markdown (linking the step timeline when there is one) and bar chart."""
+    from swapopt.bench.plots import bar_chart
+
+    chart = bar_chart(report.sizes, out / f"{stem}-chart.png", f"AdamW step / bound, {report.device_name}")
+    json_path, md_path = write(report, out, stem, chart.name, timeline.name if timeline else None)
+    return [json_path, md_path, chart] + ([timeline] if timeline else [])
+
+
+def _render(path: Path) -> list[Path]:
+    """Rebuild the markdown table and chart of an earlier run from its JSON."""
+    report = Report.model_validate_json(path.read_text())
+    report.targets = [targets_for(s) for s in report.sizes]
+    timeline = path.parent / f"{path.stem}-timeline.png"
+    return _write_outputs(report, path.parent, path.stem, timeline if timeline.exists() else None)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logger.remove()
+    logger.add(sys.stderr, level="DEBUG" if args.verbose else "INFO")
+    logger.enable("swapopt")
+    logger.enable("device")
+    if args.render:
+        paths = _render(args.render)
+    elif args.sim:
+        from device import sim
+
+        # Simulated tensors are real host memory; the preset's capacity stands for the device's.
+        with sim.activate(args.sim, sanitize=args.sanitize):
+            paths = _run(args)
+    else:
+        paths = _run(args)
+    for p in paths:
+        print(p)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

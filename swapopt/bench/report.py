@@ -1,0 +1,159 @@
+"""Markdown and JSON reports, and the target checks of issue 6 computed from the rows."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pydantic import BaseModel
+
+from swapopt.bench.run import Row, SizeResult
+
+MB = 1 << 20
+
+
+class Targets(BaseModel):
+    """Targets of the issue, reported (never asserted on timings)."""
+
+    size_b: float
+    best_swap_16plus: str | None = None
+    best_swap_ratio: float | None = None  # target <= 1.10
+    vs_serial: float | None = None  # serial / swapopt t=16 s=3, target >= 1.8
+    vs_one_in_flight: list[str] = []  # per one-in-flight row: speedup of the best swapopt row at <= its peak, >= 1.5
+    peak_within_cap: bool | None = None  # every swapopt row: peak extra <= (slots + 1) x chunk
+
+
+class Report(BaseModel):
+    device: str
+    device_name: str
+    torch: str
+    date: str
+    preset: dict | None = None
+    impl: str
+    sizes: list[SizeResult]
+    targets: list[Targets]
+    e2e: list[dict] = []
+    notes: list[str] = []
+
+
+def _swap_rows(size: SizeResult) -> list[Row]:
+    return [r for r in size.rows if r.kind == "swapopt" and r.step_ms is not None]
+
+
+def targets_for(size: SizeResult) -> Targets:
+    t = Targets(size_b=size.size_b)
+    swaps = _swap_rows(size)
+    deep = [r for r in swaps if (r.times or 0) >= 16]
+    if deep:
+        best = min(deep, key=lambda r: r.step_ms)
+        t.best_swap_16plus, t.best_swap_ratio = best.label, best.ratio
+    default = next((r for r in swaps if r.times == 16 and r.slots == 3), None)
+    serial = next((r for r in size.rows if r.kind == "serial" and r.step_ms is not None), None)
+    if default and serial:
+        t.vs_serial = serial.step_ms / default.step_ms
+    for ref in (r for r in size.rows if r.kind == "one-in-flight" and r.step_ms is not None):
+        fits = [r for r in swaps if r.peak_extra_bytes <= ref.peak_extra_bytes]
+        if fits:
+            best = min(fits, key=lambda r: r.step_ms)
+            t.vs_one_in_flight.append(
+                f"{ref.label} ({ref.peak_extra_bytes / MB:.0f} MB): {ref.step_ms / best.step_ms:.2f}x by {best.label}"
+                f" ({best.peak_extra_bytes / MB:.0f} MB)"
+            )
+        else:
+            t.vs_one_in_flight.append(f"{ref.label}: no swapopt row at or below its peak")
+    if swaps:
+        t.peak_within_cap = all(r.peak_extra_bytes <= r.cap_bytes for r in swaps if r.cap_bytes)
+    return t
+
+
+def _fmt(v: float | None, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def _mb(v: int | None) -> str:
+    return _fmt(None if v is None else v / MB, ".1f")
+
+
+def size_table(size: SizeResult) -> str:
+    bw = size.bandwidth
+    lines = [
+        f"### {size.size_b:g}B params ({size.numel / 1e9:.3f}B; states {size.state_bytes / 1e9:.2f} GB each way)",
+        "",
+        f"Pinned copies at {bw.chunk_bytes / MB:.1f} MB: H2D {bw.h2d_alone:.1f} GB/s alone, {bw.h2d_both:.1f} both ways;"
+        f" D2H {bw.d2h_alone:.1f} alone, {bw.d2h_both:.1f} both ways. Bound {size.bound_ms:.2f} ms"
+        + (f" ({size.bound_note})" if size.bound_note else "")
+        + ".",
+        "",
+        "| strategy | reproduces | step ms | x bound | peak extra MB | chunk MB | cap MB | pinned host MB | note |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in size.rows:
+        mb = [_mb(v) for v in (r.peak_extra_bytes, r.chunk_bytes, r.cap_bytes, r.host_bytes)]
+        lines.append(
+            f"| {r.label} | {r.reproduces} | {_fmt(r.step_ms, '.2f')} | {_fmt(r.ratio, '.2f')} | {' | '.join(mb)} | {r.note} |"
+        )
+    return "\n".join(lines)
+
+
+def targets_table(targets: list[Targets]) -> str:
+    lines = [
+        "| size | best swapopt (16+ chunks) x bound (<= 1.10) | serial / swapopt t=16 s=3 (>= 1.8) |"
+        " one-in-flight / swapopt at <= equal peak (>= 1.5) | peak <= (slots+1) x chunk |",
+        "|---|---|---:|---|---|",
+    ]
+    for t in targets:
+        lines.append(
+            f"| {t.size_b:g}B | {t.best_swap_16plus or '-'}: {_fmt(t.best_swap_ratio, '.3f')} | {_fmt(t.vs_serial, '.2f')} | "
+            f"{'; '.join(t.vs_one_in_flight) or '-'} | {'-' if t.peak_within_cap is None else t.peak_within_cap} |"
+        )
+    return "\n".join(lines)
+
+
+def e2e_table(e2e: list[dict]) -> str:
+    lines = [
+        "| config | params | swap | train step ms | peak device MB | overhead vs resident | note |",
+        "|---|---:|---|---:|---:|---:|---|",
+    ]
+    for e in e2e:
+        params = e.get("params")
+        lines.append(
+            f"| {e['config']} | {'-' if params is None else f'{params / 1e6:.1f}M'} | {'on' if e['swap'] else 'off'} | "
+            f"{_fmt(e.get('step_ms'), '.2f')} | "
+            f"{_mb(e.get('peak_bytes'))} | "
+            f"{_fmt(e.get('overhead'), '+.1%')} | {e.get('note', '')} |"
+        )
+    return "\n".join(lines)
+
+
+def markdown(report: Report, chart: str | None = None, timeline: str | None = None) -> str:
+    head = [
+        f"# swapopt benchmark: {report.device_name}",
+        "",
+        f"device `{report.device}`, torch {report.torch}, {report.date}, AdamW ({report.impl}) fp32 states.",
+    ]
+    if report.preset:
+        head.append(
+            f"Simulator preset: H2D {report.preset['h2d_gbps']} GB/s, D2H {report.preset['d2h_gbps']} GB/s, "
+            f"HBM {report.preset['hbm_gbps']} GB/s, host {report.preset['host_gbps']} GB/s, launch "
+            f"{report.preset['launch_us']} us; times are modeled (deterministic)."
+        )
+    parts = ["\n".join(head), "## Targets", targets_table(report.targets)]
+    if report.e2e:
+        parts += ["## End to end (train step)", e2e_table(report.e2e)]
+    parts.append("## Step of each strategy")
+    parts += [size_table(s) for s in report.sizes]
+    if chart:
+        parts.append(f"![step time / bound]({chart})")
+    if timeline:
+        parts.append(f"![one swapopt step]({timeline})")
+    if report.notes:
+        parts.append("## Notes\n\n" + "\n".join(f"- {n}" for n in report.notes))
+    return "\n\n".join(parts) + "\n"
+
+
+def write(report: Report, out_dir: Path, stem: str, chart: str | None, timeline: str | None) -> tuple[Path, Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path, md_path = out_dir / f"{stem}.json", out_dir / f"{stem}.md"
+    json_path.write_text(json.dumps(report.model_dump(mode="json"), indent=1))
+    md_path.write_text(markdown(report, chart, timeline))
+    return json_path, md_path

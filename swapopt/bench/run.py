@@ -1,0 +1,161 @@
+"""The benchmark run: per model size, bandwidth and bound, then every strategy side by side."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from loguru import logger
+from pydantic import BaseModel, Field
+
+import device
+from swapopt.bench.measure import Bandwidth, bound_ms, free_device_memory, measure_bandwidth, time_steps
+from swapopt.bench.model import ModelShape, make_params, shape_for
+from swapopt.bench.strategies import STRATEGY_DOCS, AdamWSpec, Impl, make_strategy, torchao_offload_class
+
+# The bandwidth probe copies at most this much per direction, so it fits beside the largest models.
+MAX_PROBE_BYTES = 1 << 30
+
+
+class BenchConfig(BaseModel):
+    sizes: list[float] = Field(default_factory=lambda: [0.1, 0.5])  # billions of params per device
+    impl: Impl = "fused"
+    times: list[int] = Field(default_factory=lambda: [8, 16, 32, 64])  # swap_optimizer_times sweep
+    slots: list[int] = Field(default_factory=lambda: [2, 3])
+    reference_times: list[int] = Field(default_factory=lambda: [16, 64])  # one-in-flight chunkings
+    strategies: list[str] = Field(default_factory=lambda: list(STRATEGY_DOCS))
+    warmup: int = 1
+    repeats: int = 3
+    bandwidth_repeats: int = 8
+
+
+class Row(BaseModel):
+    size_b: float
+    numel: int
+    kind: str
+    label: str
+    reproduces: str
+    times: int | None = None
+    slots: int | None = None
+    step_ms: float | None = None
+    ratio: float | None = None  # step_ms / bound_ms
+    peak_extra_bytes: int | None = None
+    chunk_bytes: int | None = None
+    cap_bytes: int | None = None  # (slots + 1) x chunk bytes, swapopt rows only
+    host_bytes: int | None = None
+    note: str = ""
+
+
+class SizeResult(BaseModel):
+    size_b: float
+    shape: ModelShape
+    numel: int
+    state_bytes: int  # bytes moved each way per swap step
+    bandwidth: Bandwidth
+    resident_ms: float | None
+    bound_ms: float
+    bound_note: str = ""
+    rows: list[Row]
+
+
+def _plan(cfg: BenchConfig) -> list[tuple[str, int, int]]:
+    """(kind, times, slots) of every measurement, resident first: it gives the bound."""
+    plan: list[tuple[str, int, int]] = []
+    wanted = set(cfg.strategies)
+    if "resident" in wanted:
+        plan += [("resident", 0, 0)]
+    if "swapopt" in wanted:
+        plan += [("swapopt", t, s) for t in cfg.times for s in cfg.slots]
+    for kind in ("serial", "whole", "host-step"):
+        if kind in wanted:
+            plan.append((kind, 0, 0))
+    if "one-in-flight" in wanted:
+        plan += [("one-in-flight", t, 0) for t in cfg.reference_times]
+    if "torchao-offload" in wanted and torchao_offload_class() is not None:
+        plan.append(("torchao-offload", 0, 0))
+    return plan
+
+
+def plan_length(cfg: BenchConfig) -> int:
+    return len(_plan(cfg))
+
+
+def run_size(
+    size_b: float,
+    cfg: BenchConfig,
+    on_done: Callable[[str], None] = lambda label: None,
+    timeline_hook: Callable[[object], None] | None = None,
+) -> SizeResult:
+    """Measure every planned strategy at one model size. `timeline_hook(strategy)` is called once
+    with the swapopt strategy closest to 16 chunks / 3 slots, to capture one step's timeline."""
+    spec = AdamWSpec(impl=cfg.impl)
+    shape = shape_for(size_b)
+    state_bytes = 2 * 4 * shape.numel  # exp_avg + exp_avg_sq, fp32
+    bandwidth = measure_bandwidth(min(state_bytes // 16, MAX_PROBE_BYTES), repeats=cfg.bandwidth_repeats)
+    logger.info(
+        "size {}B ({} params): H2D {:.1f}/{:.1f} GB/s, D2H {:.1f}/{:.1f} GB/s (alone/both)",
+        size_b, shape.numel, bandwidth.h2d_alone, bandwidth.h2d_both, bandwidth.d2h_alone, bandwidth.d2h_both,
+    )
+    params = make_params(shape)
+    plan = _plan(cfg)
+    timeline_target = min(
+        (p for p in plan if p[0] == "swapopt"), key=lambda p: (abs(p[1] - 16), abs(p[2] - 3)), default=None
+    )
+    rows: list[Row] = []
+    for kind, times, slots in plan:
+        row = Row(size_b=size_b, numel=shape.numel, kind=kind, label=kind, reproduces=STRATEGY_DOCS[kind])
+        strategy = None
+        try:
+            strategy = make_strategy(kind, params, spec, times=times or 16, slots=slots or 3)
+            row.label = strategy.label
+            timing = time_steps(strategy, warmup=cfg.warmup, repeats=cfg.repeats)
+            row.step_ms, row.peak_extra_bytes = timing.step_ms, timing.peak_extra_bytes
+            row.host_bytes = strategy.host_bytes()
+            if kind == "swapopt":
+                row.times, row.slots = times, slots
+                # The chunk budget: state bytes over the chunk count the engine planned.
+                row.chunk_bytes = -(-state_bytes // max(strategy.opt.swap_stats().chunks, 1))
+                row.cap_bytes = (slots + 1) * row.chunk_bytes
+                if timeline_hook is not None and (kind, times, slots) == timeline_target:
+                    timeline_hook(strategy)
+            elif kind == "one-in-flight":
+                row.times = times
+                row.chunk_bytes = strategy.chunk_bytes()
+        except torch.OutOfMemoryError:
+            row.note = "OOM"
+            logger.warning("{} at {}B: out of device memory", row.label, size_b)
+        finally:
+            if strategy is not None:
+                strategy.close()
+            del strategy
+            free_device_memory()
+        rows.append(row)
+        on_done(row.label)
+
+    resident = next((r for r in rows if r.kind == "resident" and r.step_ms is not None), None)
+    resident_ms, note = (resident.step_ms, "") if resident else (None, "resident step not measured (OOM or skipped)")
+    bound = bound_ms(state_bytes, state_bytes, bandwidth, resident_ms or 0.0)
+    for r in rows:
+        if r.step_ms is not None:
+            r.ratio = r.step_ms / bound
+    del params
+    free_device_memory()
+    return SizeResult(
+        size_b=size_b, shape=shape, numel=shape.numel, state_bytes=state_bytes, bandwidth=bandwidth,
+        resident_ms=resident_ms, bound_ms=bound, bound_note=note, rows=rows,
+    )
+
+
+def device_label() -> str:
+    """'sim-h100', 'cuda-NVIDIA-H100-80GB-HBM3', ... for file names and the report header."""
+    kind = device.get_device()
+    mod = device.get_torch_device_module()
+    if kind == "sim":
+        return f"sim-{mod.preset.name}"
+    name = kind
+    if kind in ("cuda", "npu"):
+        try:
+            name = f"{kind}-{mod.get_device_name(mod.current_device())}"
+        except Exception:  # noqa: BLE001 - a name is cosmetic
+            pass
+    return "".join(c if c.isalnum() or c in "-_." else "-" for c in name)

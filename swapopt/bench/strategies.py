@@ -1,0 +1,448 @@
+"""Optimizer-state strategies compared by the benchmark, each labelled by what it reproduces.
+
+Every strategy steps AdamW over the same device params (grads already set) and exposes:
+``step()``, ``drain()`` (the host waits until every state is back where it lives between steps),
+``state_of(p)`` (exp_avg / exp_avg_sq / step of param p, for parity checks), ``host_bytes()`` (pinned
+host memory it holds) and ``close()``. The reference strategies call torch's own functional AdamW
+(``torch.optim.adamw.adamw``) with the same foreach/fused flags as the resident optimizer, so
+their numbers are bitwise those of ``resident``: the comparison is about schedules, not kernels.
+
+``SerialSwap`` and ``OneInFlightSwap`` are also the reference schedules the modeled-time tests
+compare swapopt against.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal, Protocol
+
+import torch
+from pydantic import BaseModel, ConfigDict
+from torch.optim.adamw import adamw as adamw_functional
+
+import device
+
+Impl = Literal["foreach", "fused"]
+STATE_KEYS = ("exp_avg", "exp_avg_sq")
+
+
+class AdamWSpec(BaseModel):
+    """Hyperparameters and kernel flavour shared by every strategy of one comparison."""
+
+    model_config = ConfigDict(frozen=True)
+
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    impl: Impl = "fused"
+
+    def make(self, params: Sequence[torch.Tensor]) -> torch.optim.AdamW:
+        flag = {"fused": True} if self.impl == "fused" else {"foreach": True}
+        return torch.optim.AdamW(
+            params, lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay, **flag
+        )
+
+    def new_step(self, param: torch.Tensor) -> torch.Tensor:
+        # Same placement as torch.optim.Adam._init_group: fused keeps `step` beside the param, the
+        # other paths keep a CPU scalar (a tensor literal, i.e. pageable host memory on the simulator).
+        if self.impl == "fused":
+            return torch.zeros((), dtype=torch.float32, device=param.device)
+        return torch.tensor(0.0, dtype=torch.float32)
+
+    def update(
+        self,
+        params: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        exp_avgs: list[torch.Tensor],
+        exp_avg_sqs: list[torch.Tensor],
+        steps: list[torch.Tensor],
+    ) -> None:
+        """One AdamW update of these tensors with the kernel torch.optim.AdamW.step would use."""
+        adamw_functional(
+            params,
+            grads,
+            exp_avgs,
+            exp_avg_sqs,
+            [],
+            steps,
+            foreach=self.impl == "foreach",
+            fused=self.impl == "fused",
+            amsgrad=False,
+            beta1=self.betas[0],
+            beta2=self.betas[1],
+            lr=self.lr,
+            weight_decay=self.weight_decay,
+            eps=self.eps,
+            maximize=False,
+        )
+
+
+class Strategy(Protocol):
+    label: str
+    reproduces: str
+
+    def step(self) -> None: ...
+    def drain(self) -> None: ...
+    def state_of(self, param: torch.Tensor) -> dict[str, torch.Tensor]: ...
+    def host_bytes(self) -> int: ...
+    def close(self) -> None: ...
+
+
+def _mod():
+    return device.get_torch_device_module()
+
+
+def _host_zeros_like(t: torch.Tensor) -> torch.Tensor:
+    # Allocated once per strategy and reused every step (the design's "host memory = state bytes").
+    h = device.pinned_empty(tuple(t.shape), dtype=t.dtype)
+    h.zero_()
+    return h
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class _HostStateStrategy:
+    """Base of the reference strategies: AdamW states in pinned host memory, allocated once, plus the
+    step counters, keyed by param."""
+
+    def __init__(self, params: Sequence[torch.Tensor], spec: AdamWSpec, step_on_host: bool = False):
+        self.params, self.spec = list(params), spec
+        self.host = {p: {k: _host_zeros_like(p) for k in STATE_KEYS} for p in self.params}
+        # The host step keeps its counters on the host too (fused wants them beside the tensors it updates).
+        self.steps = {
+            p: torch.tensor(0.0, dtype=torch.float32) if step_on_host else spec.new_step(p) for p in self.params
+        }
+
+    def drain(self) -> None:
+        pass
+
+    def state_of(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {**self.host[p], "step": self.steps[p]}
+
+    def host_bytes(self) -> int:
+        return _nbytes(t for s in self.host.values() for t in s.values())
+
+    def close(self) -> None:
+        self.drain()
+
+
+class Resident:
+    """States live on the device; the plain torch optimizer (fused or foreach)."""
+
+    reproduces = "plain torch.optim.AdamW, states on the device"
+
+    def __init__(self, params: Sequence[torch.Tensor], spec: AdamWSpec):
+        self.label = f"resident-{spec.impl}"
+        self.opt = spec.make(params)
+
+    def step(self) -> None:
+        self.opt.step()
+
+    def drain(self) -> None:
+        pass
+
+    def state_of(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
+        return self.opt.state[p]
+
+    def host_bytes(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        self.opt.state.clear()
+
+
+class SwapOpt:
+    """swapopt.SwapOptimizer around the same torch AdamW."""
+
+    reproduces = "swapopt: chunked pipeline, H2D / update / D2H overlapped"
+
+    def __init__(self, params: Sequence[torch.Tensor], spec: AdamWSpec, times: int = 16, slots: int = 3):
+        from swapopt import SwapOptimizer
+
+        self.label = f"swapopt t={times} s={slots}"
+        self.times, self.slots = times, slots
+        self.opt = SwapOptimizer(spec.make(params), swap_optimizer_times=times, slots=slots)
+
+    def step(self) -> None:
+        self.opt.step()
+
+    def drain(self) -> None:
+        self.opt.wait_for_swap_out()
+
+    def state_of(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
+        return self.opt.state[p]
+
+    def host_bytes(self) -> int:
+        return _nbytes(
+            v
+            for s in self.opt.state.values()
+            for v in s.values()
+            if isinstance(v, torch.Tensor) and v.dim() > 0 and device.is_host_tensor(v)
+        )
+
+    def close(self) -> None:
+        self.opt.wait_for_swap_out()
+        self.opt.release_staging()
+        self.opt.state.clear()
+
+
+class SerialSwap(_HostStateStrategy):
+    """XTuner SwapAdamW's schedule: per param, swap in, update, swap out, all on the caller's
+    stream; one device synchronize at the end of the step."""
+
+    label = "serial"
+    reproduces = "XTuner SwapAdamW (per-param, one stream, sync at end)"
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for p in self.params:
+            if p.grad is None:
+                continue
+            host = self.host[p]
+            # Fresh device buffers per param, freed in stream order on this same stream.
+            dev = {k: torch.empty_like(p) for k in STATE_KEYS}
+            for k in STATE_KEYS:
+                dev[k].copy_(host[k], non_blocking=True)
+            self.spec.update([p], [p.grad], [dev["exp_avg"]], [dev["exp_avg_sq"]], [self.steps[p]])
+            for k in STATE_KEYS:
+                host[k].copy_(dev[k], non_blocking=True)
+            del dev  # one param's states on the device at a time
+        _mod().synchronize()
+
+
+def mindspeed_chunks(params: Sequence[torch.Tensor], times: int) -> list[list[torch.Tensor]]:
+    """MindSpeed's chunking: whole params, greedily, up to numel/times each (at least one param)."""
+    budget = sum(p.numel() for p in params) // max(times, 1)
+    chunks: list[list[torch.Tensor]] = []
+    current: list[torch.Tensor] = []
+    count = 0
+    for p in params:
+        if current and count + p.numel() > budget:
+            chunks.append(current)
+            current, count = [], 0
+        current.append(p)
+        count += p.numel()
+    if current:
+        chunks.append(current)
+    return chunks
+
+
+class OneInFlightSwap(_HostStateStrategy):
+    """MindSpeed swap-optimizer's schedule: chunks of numel/times whole params; H2D on one stream,
+    D2H on another, per-param events inside a chunk, and the next chunk's swap-in waits until the
+    previous chunk is fully swapped out (one chunk in flight, one staging buffer)."""
+
+    reproduces = "MindSpeed swap-optimizer (one chunk in flight)"
+
+    def __init__(self, params: Sequence[torch.Tensor], spec: AdamWSpec, times: int = 16):
+        super().__init__(params, spec)
+        self.label = f"one-in-flight t={times}"
+        self.times = times
+        mod = _mod()
+        self.h2d, self.d2h = mod.Stream(), mod.Stream()
+
+    @torch.no_grad()
+    def step(self) -> None:
+        mod = _mod()
+        compute = mod.current_stream()
+        live = [p for p in self.params if p.grad is not None]
+        chunks = mindspeed_chunks(live, self.times)
+        if not chunks:
+            return
+        staging_numel = max(sum(p.numel() for p in c) for c in chunks)
+        # Staging belongs to the compute stream: once it waits for the last swap-out below, dropping
+        # the buffers is stream-ordered and needs no record_stream.
+        staging = {k: torch.empty(staging_numel, dtype=live[0].dtype, device=live[0].device) for k in STATE_KEYS}
+        # Swap-in starts once the compute stream has reached step() (grads final, staging free).
+        self.h2d.wait_stream(compute)
+        previous_out = None
+        for chunk in chunks:
+            views, arrived = {}, {}
+            with mod.stream(self.h2d):
+                if previous_out is not None:
+                    self.h2d.wait_event(previous_out)
+                offset = 0
+                for p in chunk:
+                    views[p] = {k: staging[k][offset : offset + p.numel()].view_as(p) for k in STATE_KEYS}
+                    offset += p.numel()
+                    for k in STATE_KEYS:
+                        views[p][k].copy_(self.host[p][k], non_blocking=True)
+                    arrived[p] = self.h2d.record_event()
+            for p in chunk:
+                compute.wait_event(arrived[p])
+                v = views[p]
+                self.spec.update([p], [p.grad], [v["exp_avg"]], [v["exp_avg_sq"]], [self.steps[p]])
+                updated = compute.record_event()
+                with mod.stream(self.d2h):
+                    self.d2h.wait_event(updated)
+                    for k in STATE_KEYS:
+                        self.host[p][k].copy_(v[k], non_blocking=True)
+            previous_out = self.d2h.record_event()
+        compute.wait_stream(self.d2h)
+
+    def drain(self) -> None:
+        self.d2h.synchronize()
+
+    def chunk_bytes(self) -> int:
+        """State bytes of the largest chunk: the staging this schedule holds on the device."""
+        return max(2 * sum(p.numel() * p.element_size() for p in c) for c in mindspeed_chunks(self.params, self.times))
+
+
+class WholeSwap(_HostStateStrategy):
+    """RL offload/onload style: move every state in, one step over all params, move every state
+    out, synchronize."""
+
+    label = "whole"
+    reproduces = "RL onload / step / offload of all states"
+
+    @torch.no_grad()
+    def step(self) -> None:
+        live = [p for p in self.params if p.grad is not None]
+        dev = {p: {k: torch.empty_like(p) for k in STATE_KEYS} for p in live}
+        for p in live:
+            for k in STATE_KEYS:
+                dev[p][k].copy_(self.host[p][k], non_blocking=True)
+        self.spec.update(
+            live,
+            [p.grad for p in live],
+            [dev[p]["exp_avg"] for p in live],
+            [dev[p]["exp_avg_sq"] for p in live],
+            [self.steps[p] for p in live],
+        )
+        for p in live:
+            for k in STATE_KEYS:
+                self.host[p][k].copy_(dev[p][k], non_blocking=True)
+        _mod().synchronize()
+
+
+class HostStep(_HostStateStrategy):
+    """ZeRO-Offload / torchao style: fp32 master params and states stay in host memory, grads go
+    down, torch's fused CPU AdamW steps on the host, params go back up."""
+
+    label = "host-step"
+    reproduces = "ZeRO-Offload / torchao: fused CPU AdamW on the host"
+
+    def __init__(self, params: Sequence[torch.Tensor], spec: AdamWSpec):
+        # The host step is torch's fused CPU AdamW whatever the device kernel is.
+        super().__init__(params, spec.model_copy(update={"impl": "fused"}), step_on_host=True)
+        mod = _mod()
+        self.h2d, self.d2h = mod.Stream(), mod.Stream()
+        self.master = {p: device.pinned_empty(tuple(p.shape), dtype=p.dtype) for p in self.params}
+        self.grads = {p: device.pinned_empty(tuple(p.shape), dtype=p.dtype) for p in self.params}
+        self.d2h.wait_stream(mod.current_stream())
+        with mod.stream(self.d2h):
+            for p in self.params:
+                self.master[p].copy_(p.detach(), non_blocking=True)
+        self.d2h.synchronize()
+
+    @torch.no_grad()
+    def step(self) -> None:
+        mod = _mod()
+        compute = mod.current_stream()
+        live = [p for p in self.params if p.grad is not None]
+        self.d2h.wait_stream(compute)
+        with mod.stream(self.d2h):
+            for p in live:
+                self.grads[p].copy_(p.grad, non_blocking=True)
+        self.d2h.synchronize()  # the CPU step reads the grads
+        self.spec.update(
+            [self.master[p] for p in live],
+            [self.grads[p] for p in live],
+            [self.host[p]["exp_avg"] for p in live],
+            [self.host[p]["exp_avg_sq"] for p in live],
+            [self.steps[p] for p in live],
+        )
+        # Params are overwritten only after the compute stream is done reading them.
+        self.h2d.wait_stream(compute)
+        with mod.stream(self.h2d):
+            for p in live:
+                p.copy_(self.master[p], non_blocking=True)
+        compute.wait_stream(self.h2d)
+
+    def drain(self) -> None:
+        self.h2d.synchronize()
+
+    def host_bytes(self) -> int:
+        return super().host_bytes() + _nbytes(self.master.values()) + _nbytes(self.grads.values())
+
+
+def torchao_offload_class():
+    """torchao's CPUOffloadOptimizer class, or None when torchao (or CUDA, which it needs) is absent."""
+    if device.get_device() != "cuda":
+        return None
+    try:
+        from torchao.optim import CPUOffloadOptimizer
+    except ImportError:
+        try:
+            from torchao.prototype.low_bit_optim import CPUOffloadOptimizer
+        except ImportError:
+            return None
+    return CPUOffloadOptimizer
+
+
+class TorchaoOffload:
+    """torchao.optim.CPUOffloadOptimizer wrapping torch AdamW (fused CPU step, per-param overlap)."""
+
+    reproduces = "torchao CPUOffloadOptimizer"
+
+    def __init__(self, params: Sequence[torch.Tensor], spec: AdamWSpec):
+        cls = torchao_offload_class()
+        if cls is None:
+            raise RuntimeError("torchao CPUOffloadOptimizer needs torchao and a CUDA device")
+        self.label = "torchao-offload"
+        self.params = list(params)
+        self.opt = cls(
+            self.params, torch.optim.AdamW, fused=True,
+            lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay,
+        )
+
+    def step(self) -> None:
+        self.opt.step()
+
+    def drain(self) -> None:
+        _mod().synchronize()
+
+    def state_of(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {}
+
+    def host_bytes(self) -> int:
+        # Host master copies (4 B/param), grads (4 B/param) and AdamW states (8 B/param).
+        return 16 * sum(p.numel() for p in self.params)
+
+    def close(self) -> None:
+        pass
+
+
+STRATEGY_DOCS: dict[str, str] = {
+    "resident": Resident.reproduces,
+    "swapopt": SwapOpt.reproduces,
+    "serial": SerialSwap.reproduces,
+    "one-in-flight": OneInFlightSwap.reproduces,
+    "whole": WholeSwap.reproduces,
+    "host-step": HostStep.reproduces,
+    "torchao-offload": TorchaoOffload.reproduces,
+}
+
+
+def make_strategy(
+    kind: str, params: Sequence[torch.Tensor], spec: AdamWSpec, times: int = 16, slots: int = 3
+) -> Strategy:
+    """Build strategy `kind` (a key of STRATEGY_DOCS) over `params`."""
+    if kind == "resident":
+        return Resident(params, spec)
+    if kind == "swapopt":
+        return SwapOpt(params, spec, times=times, slots=slots)
+    if kind == "serial":
+        return SerialSwap(params, spec)
+    if kind == "one-in-flight":
+        return OneInFlightSwap(params, spec, times=times)
+    if kind == "whole":
+        return WholeSwap(params, spec)
+    if kind == "host-step":
+        return HostStep(params, spec)
+    if kind == "torchao-offload":
+        return TorchaoOffload(params, spec)
+    raise ValueError(f"unknown strategy {kind!r}; choose from {sorted(STRATEGY_DOCS)}")

@@ -1,0 +1,46 @@
+"""SwapConfig: the knobs of SwapOptimizer as a pydantic model, usable from engine configs."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
+
+
+class SwapConfig(BaseModel):
+    """Optimizer-state swapping switches.
+
+    ``swap_optimizer_times``: number of chunks the swapped states are split into per step.
+    ``chunk_mb``: byte budget per chunk (MiB); overrides ``swap_optimizer_times`` when set.
+    ``slots``: staging buffers on the device (3: one filling, one computing, one draining).
+    ``resident_mb``: states that fit this budget (MiB) stay on the device and are stepped first.
+    ``atomic_split``: a failing step also leaves params split across chunks untouched (they pay a spare
+    host copy of their states and a host backup of the param); False keeps them partially stepped.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    swap_optimizer: bool = False
+    swap_optimizer_times: int = Field(default=16, ge=1)
+    chunk_mb: Optional[float] = Field(default=None, gt=0)
+    slots: int = Field(default=3, ge=1)
+    resident_mb: float = Field(default=0.0, ge=0)
+    atomic_split: StrictBool = True
+
+    def wrap(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """Return ``optimizer`` wrapped in a SwapOptimizer, or unchanged when swapping is off."""
+        if not self.swap_optimizer:
+            return optimizer
+        from swapopt.optimizer import SwapOptimizer
+
+        if isinstance(optimizer, SwapOptimizer):
+            return optimizer
+        return SwapOptimizer(
+            optimizer,
+            swap_optimizer_times=self.swap_optimizer_times,
+            chunk_mb=self.chunk_mb,
+            slots=self.slots,
+            resident_mb=self.resident_mb,
+            atomic_split=self.atomic_split,
+        )

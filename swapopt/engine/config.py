@@ -1,0 +1,228 @@
+"""Engine configuration: plain pydantic models, loaded from mmengine-style config files.
+
+A config file (Python with plain variables, or YAML) has up to six top-level keys, each a dict validated by
+the model of the same name below: ``model``, ``data``, ``optim``, ``lr``, ``train``, ``rl``. Every model
+forbids unknown keys, so a typo fails at start with a message naming the key.
+
+    cfg = load_config("configs/tiny.py", ["optim.swap_optimizer=false", "train.steps=3"])
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import runpy
+from pathlib import Path
+from typing import Any, Iterable, Literal, Optional
+
+import torch
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from swapopt import SwapConfig
+
+
+class ConfigError(ValueError):
+    """A bad config: the message names the offending key (``optim.lr``, ``train.stpes``...)."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Strict):
+    """Our decoder-only LM (RMSNorm, RoPE, SwiGLU, SDPA), or a Hugging Face causal LM from ``hf_path``."""
+
+    vocab_size: int = Field(default=256, ge=2)  # byte-level tokens
+    dim: int = Field(default=128, ge=8)
+    n_layers: int = Field(default=4, ge=1)
+    n_heads: int = Field(default=4, ge=1)
+    ffn_dim: Optional[int] = Field(default=None, ge=1)  # None: about 8/3 * dim, rounded up to 32
+    max_seq_len: int = Field(default=2048, ge=1)
+    rope_theta: float = Field(default=10000.0, gt=0)
+    norm_eps: float = Field(default=1e-5, gt=0)
+    tie_embeddings: bool = False
+    hf_path: Optional[str] = None  # local directory of a Hugging Face causal LM (needs `transformers`)
+
+    @model_validator(mode="after")
+    def _heads_divide_dim(self) -> "ModelConfig":
+        if self.hf_path is None and self.dim % (2 * self.n_heads):
+            raise ValueError(f"model.dim ({self.dim}) must be a multiple of 2 * model.n_heads ({self.n_heads})")
+        return self
+
+    @property
+    def hidden_dim(self) -> int:
+        if self.ffn_dim is not None:
+            return self.ffn_dim
+        return -(-(8 * self.dim // 3) // 32) * 32
+
+
+class DataConfig(_Strict):
+    """Byte-level tokens from a text file; None means the corpus shipped with swapopt."""
+
+    path: Optional[str] = None
+
+
+class AdamWConfig(_Strict):
+    """The optimizer (XTuner style): torch's AdamW by default, wrapped in a SwapOptimizer when asked.
+
+    ``type`` names any ``torch.optim`` optimizer; its constructor gets the keys below that it accepts.
+    ``swap_optimizer``/``swap_optimizer_times``/``chunk_mb``/``slots``/``resident_mb`` are
+    :class:`swapopt.SwapConfig`'s knobs.
+    """
+
+    type: str = "AdamW"
+    lr: float = Field(default=1e-3, ge=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = Field(default=1e-8, gt=0)
+    weight_decay: float = Field(default=0.1, ge=0)
+    foreach: Optional[bool] = None
+    fused: Optional[bool] = None
+    swap_optimizer: bool = False
+    swap_optimizer_times: int = Field(default=16, ge=1)
+    chunk_mb: Optional[float] = Field(default=None, ge=0)
+    slots: int = Field(default=3, ge=1)
+    resident_mb: float = Field(default=0.0, ge=0)
+
+    @field_validator("type")
+    @classmethod
+    def _known_optimizer(cls, value: str) -> str:
+        klass = getattr(torch.optim, value, None)
+        if not (inspect.isclass(klass) and issubclass(klass, torch.optim.Optimizer)):
+            raise ValueError(f"unknown optimizer {value!r}: expected a torch.optim class name such as 'AdamW'")
+        return value
+
+    def swap_config(self) -> SwapConfig:
+        return SwapConfig(**self.model_dump(include=set(SwapConfig.model_fields)))
+
+    def build(self, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        """The torch optimizer over ``params``, wrapped by ``SwapConfig.wrap`` (unchanged when swapping is off).
+
+        Raises ConfigError naming ``optim.type`` when swapping is on and the swap engine refuses the optimizer.
+        """
+        klass = getattr(torch.optim, self.type)
+        accepted = inspect.signature(klass.__init__).parameters
+        kwargs = {k: v for k, v in self.model_dump(exclude={"type"}).items()
+                  if k in accepted and not (v is None and k in ("foreach", "fused"))}
+        optimizer = klass(params, **kwargs)
+        try:
+            return self.swap_config().wrap(optimizer)
+        except (TypeError, ValueError, NotImplementedError) as err:
+            raise ConfigError(f"optim.type: swap_optimizer=True cannot wrap {self.type}: {err}") from err
+
+
+class LRConfig(_Strict):
+    """Linear warmup to ``optim.lr`` over ``warmup_steps``, then cosine decay to ``min_lr_ratio * lr``."""
+
+    warmup_steps: int = Field(default=10, ge=0)
+    min_lr_ratio: float = Field(default=0.1, ge=0, le=1)
+
+
+class TrainConfig(_Strict):
+    steps: int = Field(default=100, ge=1)
+    batch: int = Field(default=8, ge=1)  # sequences per rank and step
+    seq_len: int = Field(default=128, ge=2)
+    seed: int = 0
+    grad_clip: Optional[float] = Field(default=1.0, gt=0)  # max global grad norm; None: no clipping
+    gradient_checkpointing: bool = False
+    checkpoint_dir: Optional[str] = None
+    checkpoint_interval: int = Field(default=0, ge=0)  # steps between DCP saves (0: only at the end)
+    resume: Optional[str] = None  # a checkpoint directory (one step) or a checkpoint_dir (latest step)
+    metrics_path: Optional[str] = None  # JSONL, one line per step
+    log_interval: int = Field(default=10, ge=1)
+    device: Literal["auto", "cuda", "npu", "cpu", "sim"] = "auto"
+    sim_preset: str = "h100"  # simulator preset when no accelerator is found (or device="sim")
+    sim_capacity_mb: Optional[float] = Field(default=None, gt=0)
+    compare_resident: int = Field(default=0, ge=0)  # >0: afterwards run this many steps with swapping off
+
+
+class RLConfig(_Strict):
+    """RL colocation: every ``rollout_every`` steps offload the optimizer, run a stand-in rollout that
+    holds ``rollout_buffer_mb`` of device memory, then onload and keep training."""
+
+    rollout_every: int = Field(default=5, ge=1)
+    rollout_buffer_mb: float = Field(default=64.0, gt=0)
+    empty_cache: bool = True
+
+
+class EngineConfig(_Strict):
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    optim: AdamWConfig = AdamWConfig()
+    lr: LRConfig = LRConfig()
+    train: TrainConfig = TrainConfig()
+    rl: Optional[RLConfig] = None
+
+
+def parse_cfg_options(options: Iterable[str]) -> dict[str, Any]:
+    """``["optim.lr=3e-4", "train.steps=3"]`` -> ``{"optim.lr": 0.0003, "train.steps": 3}``.
+
+    Values are Python literals (numbers, lists, tuples, quoted strings), YAML scalars (true, false, null),
+    or else plain strings.
+    """
+    parsed: dict[str, Any] = {}
+    for option in options:
+        key, sep, text = option.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--cfg-options expects key=value, got {option!r}")
+        try:
+            value = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            value = yaml.safe_load(text) if text else ""
+        parsed[key.strip()] = value
+    return parsed
+
+
+def _read_file(path: Path, options: dict[str, Any]) -> dict[str, Any]:
+    """The file's top-level keys with ``options`` merged in: through mmengine.Config when installed
+    (``_base_`` inheritance and the rest), else plain Python variables or YAML."""
+    try:
+        from mmengine import Config
+    except ImportError:
+        Config = None
+    if Config is not None:
+        cfg = Config.fromfile(str(path))
+        cfg.merge_from_dict(options)
+        return cfg.to_dict()
+    if path.suffix in (".yaml", ".yml"):
+        raw = yaml.safe_load(path.read_text()) or {}
+    elif path.suffix == ".py":
+        raw = runpy.run_path(str(path))
+    else:
+        raise ConfigError(f"config file must be .py, .yaml or .yml: {path}")
+    if "_base_" in raw:
+        raise ConfigError(f"{path} inherits with _base_, which needs mmengine: pip install 'swapopt[mmengine]'")
+    raw = {k: v for k, v in raw.items() if not k.startswith("_") and not inspect.ismodule(v) and not callable(v)}
+    for dotted, value in options.items():
+        *parents, leaf = dotted.split(".")
+        node = raw
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return raw
+
+
+def _describe(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "<config>"
+        got = "" if e["type"] == "missing" else f" (got {e.get('input')!r})"
+        lines.append(f"{key}: {e['msg']}{got}")
+    return "bad config:\n  " + "\n  ".join(lines)
+
+
+def validate(raw: dict[str, Any]) -> EngineConfig:
+    """Validate a nested dict; raise ConfigError naming every bad key."""
+    try:
+        return EngineConfig.model_validate(raw)
+    except ValidationError as err:
+        raise ConfigError(_describe(err)) from None
+
+
+def load_config(path: str | Path, cfg_options: Iterable[str] | dict[str, Any] = ()) -> EngineConfig:
+    """Read ``path``, apply ``key=value`` overrides (dotted keys), validate."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    options = cfg_options if isinstance(cfg_options, dict) else parse_cfg_options(cfg_options)
+    return validate(_read_file(path, options))

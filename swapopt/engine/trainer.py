@@ -1,0 +1,229 @@
+"""TrainEngine (XTuner style): model, FSDP2 sharding, optimizer, one train step, DCP checkpoints, RL offload.
+
+Swapping is one config key: ``optim.swap_optimizer=True`` makes ``AdamWConfig.build`` wrap the torch optimizer
+in a SwapOptimizer; nothing else in the engine changes, because the wrapper shares ``param_groups`` and
+``state`` with the optimizer it wraps (LR schedule, grad clipping and DCP work unchanged).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+from loguru import logger
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+import device
+import swapopt
+from swapopt import SwapOptimizer
+from swapopt.engine.config import EngineConfig
+from swapopt.engine.data import ByteBatches, load_tokens
+from swapopt.engine.model import build_model, logits_of, transformer_blocks
+from swapopt.engine.schedule import lr_at
+
+_BACKENDS = {"cuda": "nccl", "npu": "hccl"}  # cpu and the simulator: gloo
+META = "trainer.json"
+
+
+def init_distributed(device_type: str) -> tuple[int, int]:
+    """(rank, world size); joins the torchrun process group when launched with more than one process."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        if device_type in _BACKENDS:
+            device.get_torch_device_module(device_type).set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(_BACKENDS.get(device_type, "gloo"))
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def shard_model(model: torch.nn.Module, torch_device: torch.device) -> None:
+    """FSDP2: each transformer block is a unit, the root takes the rest. On accelerators parameters are
+    gathered in bf16 and gradients reduced in fp32 (the sharded master parameters stay fp32); on CPU and the
+    simulator everything stays fp32."""
+    try:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    except ImportError:  # torch 2.6 keeps FSDP2 under _composable
+        from torch.distributed._composable.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(torch_device.type, (dist.get_world_size(),))
+    kwargs: dict[str, Any] = {"mesh": mesh}
+    if torch_device.type != "cpu":
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in transformer_blocks(model):
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A step directory (holding trainer.json), or a checkpoint_dir whose latest step is taken."""
+    path = Path(path)
+    if (path / META).is_file():
+        return path
+    steps = sorted(p for p in path.glob("step_*") if (p / META).is_file())
+    if not steps:
+        raise FileNotFoundError(f"no checkpoint in {path} (expected {META} or step_*/{META})")
+    return steps[-1]
+
+
+class TrainEngine:
+    def __init__(self, cfg: EngineConfig) -> None:
+        self.cfg = cfg
+        tcfg = cfg.train
+        self.device_type = device.get_device()
+        self.torch_device = device.torch_device()
+        self.device_module = device.get_torch_device_module()
+        self.rank, self.world_size = init_distributed(self.device_type)
+
+        model = build_model(cfg.model, tcfg.seed, tcfg.gradient_checkpointing).to(self.torch_device)
+        if self.world_size > 1:
+            shard_model(model, self.torch_device)
+        self.model = model.train()
+        self.optimizer = cfg.optim.build(self.model.parameters())
+        self.swapping = isinstance(self.optimizer, SwapOptimizer)
+        self.data = ByteBatches(load_tokens(cfg.data.path), tcfg.batch, tcfg.seq_len, tcfg.seed,
+                                self.rank, self.world_size)
+        self.step = 0  # completed steps
+        self.n_params = sum(p.numel() for p in self.model.parameters())  # DTensor numel is the global one
+        if tcfg.resume:
+            self.load_checkpoint(tcfg.resume)
+
+    # -- one step --------------------------------------------------------------------------------------
+    def _sync(self) -> None:
+        # Timing needs the queued work done; this also ends the overlap of the last swap-out with the next
+        # forward, so the reported step time is an upper bound.
+        self.device_module.synchronize()
+
+    def _reset_peak_memory(self) -> None:
+        reset = getattr(self.device_module, "reset_peak_memory_stats", None)  # torch.cpu has none
+        if reset is not None:
+            reset()
+
+    def _peak_memory(self) -> int | None:
+        peak = getattr(self.device_module, "max_memory_allocated", None)
+        return int(peak()) if peak is not None else None
+
+    def train_step(self) -> dict[str, Any]:
+        tcfg = self.cfg.train
+        lr = lr_at(self.step, tcfg.steps, self.cfg.optim.lr, self.cfg.lr)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        inputs, targets = (t.to(self.torch_device) for t in self.data.get(self.step))
+        self._reset_peak_memory()
+
+        start = time.perf_counter()
+        logits = logits_of(self.model(inputs))
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        loss.backward()
+        grad_norm = None
+        if tcfg.grad_clip is not None:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), tcfg.grad_clip)
+            if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor
+                grad_norm = grad_norm.full_tensor()
+        self._sync()
+        optim_start = time.perf_counter()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._sync()
+        end = time.perf_counter()
+        self.step += 1
+
+        loss = loss.detach()
+        if self.world_size > 1:
+            dist.all_reduce(loss)
+            loss = loss / self.world_size
+        step_s = end - start
+        metrics: dict[str, Any] = {
+            "step": self.step,
+            "loss": loss.item(),
+            "lr": lr,
+            "grad_norm": None if grad_norm is None else grad_norm.item(),
+            "tokens_per_s": self.world_size * tcfg.batch * tcfg.seq_len / step_s,
+            "step_ms": step_s * 1e3,
+            "optim_ms": (end - optim_start) * 1e3,
+            "mem_peak_bytes": self._peak_memory(),
+        }
+        if self.swapping:
+            stats = self.optimizer.swap_stats()
+            swapped = stats.h2d_bytes + stats.d2h_bytes
+            metrics.update(swap_bytes=swapped, swap_ms=stats.step_ms,
+                           swap_gbps=swapped / stats.step_ms / 1e6 if stats.step_ms else None)
+        return metrics
+
+    # -- checkpoints ------------------------------------------------------------------------------------
+    def _barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier()
+
+    def save_checkpoint(self, root: str | Path | None = None) -> Path:
+        """DCP save of model and optimizer into ``root/step_XXXXXXXX``: written to a hidden temp dir, then
+        renamed, so a crash never leaves a half-written step directory that resume would pick."""
+        root = Path(root or self.cfg.train.checkpoint_dir)
+        final = root / f"step_{self.step:08d}"
+        tmp = root / f".step_{self.step:08d}.tmp"
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        self._barrier()
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp), no_dist=self.world_size == 1)
+        self._barrier()
+        if self.rank == 0:
+            meta = {"step": self.step, "world_size": self.world_size, "config": self.cfg.model_dump(mode="json")}
+            (tmp / META).write_text(json.dumps(meta, indent=1))
+            shutil.rmtree(final, ignore_errors=True)
+            tmp.rename(final)
+        self._barrier()
+        logger.info("saved checkpoint {}", final)
+        return final
+
+    def load_checkpoint(self, path: str | Path) -> Path:
+        path = resolve_checkpoint(path)
+        meta = json.loads((path / META).read_text())
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=str(path), no_dist=self.world_size == 1)
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+        self.step = int(meta["step"])
+        logger.info("resumed from {} at step {}", path, self.step)
+        return path
+
+    # -- RL colocation ----------------------------------------------------------------------------------
+    def offload_optimizer(self, empty_cache: bool = True) -> None:
+        """Give the device to another phase: a SwapOptimizer only drains copies and frees staging (its states
+        already live on the host); a plain optimizer's states are moved to the host."""
+        if self.swapping:
+            swapopt.offload(self.optimizer, empty_cache=empty_cache)
+        else:
+            swapopt.put_optimizer_to_device(self.optimizer, "cpu")
+
+    def onload_optimizer(self) -> None:
+        if self.swapping:
+            swapopt.onload(self.optimizer)
+        else:
+            swapopt.put_optimizer_to_device(self.optimizer, self.torch_device)
+
+    def rollout(self, buffer_mb: float, empty_cache: bool = True) -> dict[str, Any]:
+        """Stand-in for an RL rollout phase colocated on the same device: offload the optimizer, hold a
+        ``buffer_mb`` buffer (KV cache, rollout batch), release it, onload."""
+        self.offload_optimizer(empty_cache)
+        self._reset_peak_memory()
+        buffer = torch.empty(int(buffer_mb * 2**20) // 4, dtype=torch.float32, device=self.torch_device)
+        buffer.fill_(1.0)
+        peak = self._peak_memory()
+        del buffer
+        self.onload_optimizer()
+        return {"step": self.step, "rollout_buffer_mb": buffer_mb, "rollout_mem_peak_bytes": peak}
+
+    def close(self) -> None:
+        if self.swapping:
+            swapopt.offload(self.optimizer)

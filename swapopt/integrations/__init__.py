@@ -1,0 +1,1 @@
+"""Integrations with training frameworks. Import the one you use: ``import swapopt.integrations.mmengine``."""

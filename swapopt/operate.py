@@ -1,0 +1,231 @@
+"""SwapOptimizerOperate: the transfer engine behind SwapOptimizer.
+
+Owns one H2D and one D2H stream (created lazily through the device module), the staging slots of the
+running step and the events that order everything:
+
+    compute stream   |-entry-|  ...update[k]...          ...update[k+1]...
+    H2D stream           wait(entry), wait(slot free) -> copy in[k+S-1] -> event
+    D2H stream                                 wait(update[k]) -> copy out[k] -> event (= slot free)
+
+Chunk k uses slot k % S. Its swap-in waits for the D2H that last read the slot, the update waits for
+the swap-in, the swap-out waits for the update. A chunk may also back up what its update overwrites
+(pieces of params split across chunks): a D2H copy, after the step's entry, that the update waits for.
+Nothing here knows about optimizers.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Sequence
+
+import torch
+
+import device
+
+Copies = Sequence[tuple[torch.Tensor, torch.Tensor]]  # (dst, src)
+
+
+class SwapOptimizerOperate:
+    """Streams, staging slots and per-param events of one SwapOptimizer."""
+
+    def __init__(self, slots: int = 3) -> None:
+        if not isinstance(slots, int) or slots < 1:
+            raise ValueError(f"slots must be an int >= 1, got {slots!r}")
+        self.slots = slots
+        self.mod: Any = None
+        self._h2d: Any = None
+        self._d2h: Any = None
+        self._compute: Any = None
+        self.nslots = 0
+        self._staging: list[torch.Tensor] = []
+        self._slot_free: list[Any] = []  # per slot: the D2H event of its last user
+        self._held: list[list[torch.Tensor]] = []  # per slot: device tensors an in-flight D2H reads
+        self._held_bytes = 0
+        self.peak_staging_bytes = 0
+        self.h2d_events: list[Any] = []
+        self.update_events: list[Any] = []
+        self.d2h_events: list[Any] = []
+        self.backup_events: list[Any] = []
+        self._last_d2h: Any = None
+        self._start: Any = None
+        self._end: Any = None
+        self._swap_in: dict[torch.Tensor, Any] = {}
+        self._update: dict[torch.Tensor, Any] = {}
+        self._swap_out: dict[torch.Tensor, Any] = {}
+
+    # ----- streams ---------------------------------------------------------------------------
+    def bind(self, mod: Any) -> None:
+        """Use device module ``mod``; streams of a previous module are drained and dropped."""
+        if mod is self.mod:
+            return
+        if self.mod is not None:
+            self.release_staging()
+        self.mod, self._h2d, self._d2h = mod, None, None
+        self._last_d2h = None
+        self._swap_in.clear()
+        self._update.clear()
+        self._swap_out.clear()
+
+    @property
+    def h2d_stream(self) -> Any:
+        if self._h2d is None:
+            self._h2d = self.mod.Stream()
+        return self._h2d
+
+    @property
+    def d2h_stream(self) -> Any:
+        if self._d2h is None:
+            self._d2h = self.mod.Stream()
+        return self._d2h
+
+    # ----- one step --------------------------------------------------------------------------
+    def begin(self, n_chunks: int, slot_bytes: int, dev: torch.device) -> None:
+        """Allocate staging on the compute stream and mark the step's entry on it: no swap-in starts
+        before the compute stream reaches this point (the end of backward, typically)."""
+        mod = self.mod
+        self._compute = mod.current_stream()
+        self.nslots = max(1, min(self.slots, n_chunks))
+        self._staging = (
+            [torch.empty(slot_bytes, dtype=torch.uint8, device=dev) for _ in range(self.nslots)] if slot_bytes else []
+        )
+        self._slot_free = [None] * self.nslots
+        self._held = [[] for _ in range(self.nslots)]
+        self._held_bytes = 0
+        self.peak_staging_bytes = slot_bytes * len(self._staging)
+        self.h2d_events = [None] * n_chunks
+        self.update_events = [None] * n_chunks
+        self.d2h_events = [None] * n_chunks
+        self.backup_events = [None] * n_chunks
+        self._start = mod.Event(enable_timing=True)
+        self._start.record(self._compute)
+        h2d = self.h2d_stream
+        h2d.wait_event(self._start)
+        if self._last_d2h is not None:  # host states the last step wrote are read again now
+            h2d.wait_event(self._last_d2h)
+
+    def slot(self, k: int) -> torch.Tensor | None:
+        return self._staging[k % self.nslots] if self._staging else None
+
+    def swap_in(self, k: int, copies: Copies) -> None:
+        """Copy host -> slot for chunk k on the H2D stream, after the slot's last D2H."""
+        if not copies:
+            return
+        h2d = self.h2d_stream
+        with torch.profiler.record_function(f"swapopt.swap_in[{k}]"):
+            free = self._slot_free[k % self.nslots]
+            if free is not None:
+                h2d.wait_event(free)
+            with self.mod.stream(h2d):
+                for dst, src in copies:
+                    dst.copy_(src, non_blocking=True)
+            self.h2d_events[k] = h2d.record_event()
+
+    def backup(self, k: int, copies: Copies) -> None:
+        """Copy device -> host, on the D2H stream, what chunk k's update will overwrite; the update waits
+        for it. The copies follow the step's entry, so they read the values the step starts from."""
+        if not copies:
+            return
+        d2h = self.d2h_stream
+        with torch.profiler.record_function(f"swapopt.backup[{k}]"):
+            if not any(e is not None for e in self.backup_events):  # first backup of the step
+                d2h.wait_event(self._start)
+            with self.mod.stream(d2h):
+                for dst, src in copies:
+                    dst.copy_(src, non_blocking=True)
+            self.backup_events[k] = self._last_d2h = d2h.record_event()
+
+    def begin_update(self, k: int) -> None:
+        """Order the compute stream after chunk k's swap-in (or its slot's last D2H) and backup, and drop
+        the device tensors that D2H read: reusing their memory on the compute stream is now safe."""
+        s = k % self.nslots
+        ready = self.h2d_events[k] if self.h2d_events[k] is not None else self._slot_free[s]
+        if ready is not None:
+            self._compute.wait_event(ready)
+        if self.backup_events[k] is not None:
+            self._compute.wait_event(self.backup_events[k])
+        if self._held[s]:
+            self._held_bytes -= sum(t.nbytes for t in self._held[s])
+            self._held[s] = []
+
+    def end_update(self, k: int) -> None:
+        self.update_events[k] = self._compute.record_event()
+
+    def swap_out(self, k: int, copies: Copies, hold: Iterable[torch.Tensor] = ()) -> None:
+        """Copy device -> host for chunk k on the D2H stream after its update. ``hold``: device tensors
+        (states the optimizer created this step) kept alive until the slot is reused."""
+        d2h = self.d2h_stream
+        with torch.profiler.record_function(f"swapopt.swap_out[{k}]"):
+            d2h.wait_event(self.update_events[k])
+            with self.mod.stream(d2h):
+                for dst, src in copies:
+                    dst.copy_(src, non_blocking=True)
+            event = d2h.record_event()
+        s = k % self.nslots
+        self.d2h_events[k] = self._slot_free[s] = self._last_d2h = event
+        held = list(hold)
+        if held:
+            self._held[s] = held
+            self._held_bytes += sum(t.nbytes for t in held)
+            self.peak_staging_bytes = max(
+                self.peak_staging_bytes, self._held_bytes + sum(t.nbytes for t in self._staging)
+            )
+
+    def finish(self, last_chunk: dict[torch.Tensor, int]) -> None:
+        """End the step without waiting: staging and held tensors are released stream-safely (the
+        allocator reuses them only after the D2H stream's queued copies), per-param events recorded."""
+        d2h = self.d2h_stream
+        self._end = self.mod.Event(enable_timing=True)
+        self._end.record(d2h)
+        for t in self._staging:
+            device.record_stream(t, d2h)
+        for held in self._held:
+            for t in held:
+                device.record_stream(t, d2h)
+        self._drop()
+        for p, k in last_chunk.items():
+            self._swap_in[p] = self.h2d_events[k]
+            self._update[p] = self.update_events[k]
+            self._swap_out[p] = self.d2h_events[k]
+
+    def drain(self) -> None:
+        """Failure path: the host waits for every copy and update already enqueued, then drops staging."""
+        for stream in (self._h2d, self._compute, self._d2h):
+            if stream is not None:
+                stream.synchronize()
+        self._drop()
+
+    def _drop(self) -> None:
+        self._staging = []
+        self._held = [[] for _ in range(self.nslots)]
+        self._held_bytes = 0
+
+    # ----- host side -------------------------------------------------------------------------
+    def wait_for_swap_out(self, params: Iterable[torch.Tensor] | None = None) -> None:
+        """The host waits for in-flight D2H of these params' states (all if None)."""
+        if params is None:
+            events = [self._last_d2h]
+        else:
+            events = list({id(e): e for e in (self._swap_out.get(p) for p in params) if e is not None}.values())
+        for event in events:
+            if event is not None:
+                event.synchronize()
+
+    def release_staging(self) -> None:
+        """Wait for in-flight swap-outs and drop anything held on the device (no-op if nothing is)."""
+        self.wait_for_swap_out()
+        self._drop()
+
+    def step_ms(self) -> float | None:
+        """Modeled/measured time of the last step, entry to last swap-out (waits for that swap-out)."""
+        if self._start is None or self._end is None:
+            return None
+        self._end.synchronize()
+        return float(self._start.elapsed_time(self._end))
+
+    def swap_in_event(self, p: torch.Tensor) -> Any:
+        return self._swap_in.get(p)
+
+    def update_event(self, p: torch.Tensor) -> Any:
+        return self._update.get(p)
+
+    def swap_out_event(self, p: torch.Tensor) -> Any:
+        return self._swap_out.get(p)

@@ -1,0 +1,194 @@
+"""Chunk planning: pure functions over sizes, no torch.
+
+A step moves every swapped state through the device in an ordered list of chunks. A chunk is a list
+of pieces ``(param index, flat start, flat stop)``; the state bytes of a chunk stay within the chunk
+budget. Params of element-wise optimizers may be split across chunks; their cut points are multiples
+of ``align`` elements, so vectorized kernels group elements exactly as they do for the whole param
+(bitwise parity). Other params are taken whole, so such a chunk holds at least the largest param.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+DEFAULT_ALIGN = 512  # elements; 2 KiB of fp32, a multiple of every CPU/GPU vector width
+
+
+@dataclass(frozen=True)
+class ParamSize:
+    """What the planner needs to know about one param.
+
+    ``state_bytes``: bytes of its swapped states (0 for params without swapped state);
+    ``splittable``: its states are element-wise (same shape as the param), so a flat range of the
+    param carries ``state_bytes // numel`` bytes per element.
+    """
+
+    index: int
+    numel: int
+    state_bytes: int
+    splittable: bool = False
+
+    @property
+    def elem_bytes(self) -> int:
+        return self.state_bytes // self.numel if self.numel else 0
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Flat elements ``[start, stop)`` of param ``index``."""
+
+    index: int
+    start: int
+    stop: int
+
+    @property
+    def numel(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass(frozen=True)
+class Chunk:
+    pieces: tuple[Piece, ...]
+    nbytes: int  # state bytes moved for this chunk, each way
+
+
+@dataclass(frozen=True)
+class Plan:
+    chunks: tuple[Chunk, ...]
+    resident: tuple[int, ...] = ()  # param indices whose states stay on the device
+    budget: int = 0  # the chunk budget the chunks were cut to (bytes)
+    last_chunk: dict[int, int] = field(default_factory=dict)  # param index -> chunk of its last piece
+
+    @property
+    def max_chunk_bytes(self) -> int:
+        return max((c.nbytes for c in self.chunks), default=0)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(c.nbytes for c in self.chunks)
+
+
+def chunk_pieces(
+    sizes: Sequence[ParamSize], budget: int, align: int = DEFAULT_ALIGN, *, keep_whole: bool = False
+) -> list[Chunk]:
+    """Greedy, order-preserving cut of ``sizes`` into chunks of at most ``budget`` state bytes.
+
+    A chunk exceeds the budget only when it holds a single whole (unsplittable) param larger than
+    the budget, or a single ``align``-element block of a splittable param. With ``keep_whole`` a
+    splittable param that fits an empty chunk starts a new chunk instead of being cut: only params
+    larger than the budget are split (a split param costs extra work on the failure path).
+    """
+    if align < 1:
+        raise ValueError(f"align must be >= 1, got {align}")
+    budget = max(int(budget), 1)
+    chunks: list[Chunk] = []
+    pieces: list[Piece] = []
+    used = 0
+
+    def close() -> None:
+        nonlocal pieces, used
+        if pieces:
+            chunks.append(Chunk(tuple(pieces), used))
+        pieces, used = [], 0
+
+    for size in sizes:
+        if size.numel < 0 or size.state_bytes < 0:
+            raise ValueError(f"negative size in {size}")
+        fits_whole = keep_whole and size.state_bytes <= budget
+        if not size.splittable or fits_whole or size.numel == 0 or size.state_bytes == 0:
+            if pieces and size.state_bytes and used + size.state_bytes > budget:
+                close()  # a full chunk is closed by the next piece that carries bytes
+            pieces.append(Piece(size.index, 0, size.numel))
+            used += size.state_bytes
+            continue
+        if size.state_bytes % size.numel:
+            raise ValueError(f"splittable param {size.index}: state bytes not a multiple of numel")
+        start, eb = 0, size.elem_bytes
+        while start < size.numel:
+            fit = start + (budget - used) // eb
+            if fit >= size.numel:
+                stop = size.numel
+            else:
+                stop = (fit // align) * align
+                if stop <= start:
+                    if pieces:  # no room for one aligned block here: next chunk
+                        close()
+                        continue
+                    stop = min(size.numel, start + align)  # budget below one block: one block
+            pieces.append(Piece(size.index, start, stop))
+            used += (stop - start) * eb
+            start = stop
+    close()
+    return chunks
+
+
+def budget_for(total_bytes: int, times: int) -> int:
+    """Bytes per chunk that split ``total_bytes`` into ``times`` chunks."""
+    if times < 1:
+        raise ValueError(f"swap_optimizer_times must be >= 1, got {times}")
+    return max(1, math.ceil(total_bytes / times))
+
+
+def pick_resident(sizes: Sequence[ParamSize], resident_bytes: int) -> tuple[int, ...]:
+    """Whole params, in order, whose states fit ``resident_bytes`` together (first fit)."""
+    chosen: list[int] = []
+    left = resident_bytes
+    for size in sizes:
+        if 0 < size.state_bytes <= left:
+            chosen.append(size.index)
+            left -= size.state_bytes
+    return tuple(chosen)
+
+
+def _smallest_budget(
+    sizes: Sequence[ParamSize], lo: int, hi: int, times: int, align: int, *, keep_whole: bool
+) -> int:
+    """Smallest budget in [lo, hi] that cuts ``sizes`` into at most ``times`` chunks (binary search;
+    greedy cutting in a fixed order never needs more chunks for a larger budget)."""
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if len(chunk_pieces(sizes, mid, align, keep_whole=keep_whole)) > times:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+def make_plan(
+    sizes: Iterable[ParamSize],
+    *,
+    times: int = 16,
+    chunk_bytes: int | None = None,
+    resident_bytes: int = 0,
+    align: int = DEFAULT_ALIGN,
+) -> Plan:
+    """Plan one step: resident params first, then chunks of the rest.
+
+    With ``chunk_bytes`` the budget is fixed and params that fit a chunk stay whole. Otherwise the
+    budget is about the swapped bytes divided by ``times``: raised to keep params whole when that
+    costs at most 25% more per chunk, else to the smallest that keeps alignment rounding from
+    adding chunks beyond ``times``.
+    """
+    if times < 1:
+        raise ValueError(f"swap_optimizer_times must be >= 1, got {times}")
+    sizes = list(sizes)
+    resident = pick_resident(sizes, resident_bytes) if resident_bytes > 0 else ()
+    rset = set(resident)
+    swapped = [s for s in sizes if s.index not in rset]
+    total = sum(s.state_bytes for s in swapped)
+    if chunk_bytes is not None:
+        budget = max(1, int(chunk_bytes))
+        chunks = chunk_pieces(swapped, budget, align, keep_whole=True)
+    else:
+        # Prefer whole params (no cuts at chunk boundaries) when that costs at most a quarter more
+        # per chunk than an even split; otherwise cut params to hold `times` chunks of even size.
+        base = budget_for(total, times)
+        budget = _smallest_budget(swapped, base, max(total, 1), times, align, keep_whole=True)
+        keep_whole = budget <= base + base // 4
+        if not keep_whole:
+            budget = _smallest_budget(swapped, base, max(total, 1), times, align, keep_whole=False)
+        chunks = chunk_pieces(swapped, budget, align, keep_whole=keep_whole)
+    last = {p.index: k for k, c in enumerate(chunks) for p in c.pieces}
+    return Plan(tuple(chunks), resident, budget, last)

@@ -1,0 +1,32 @@
+"""Shared fixtures: a scoped simulated accelerator and a clean device environment."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+
+import pytest
+
+from device import sim as simulator
+
+
+@pytest.fixture
+def clean_device_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    """No SWAPOPT_DEVICE override: detection runs as on a plain machine."""
+    monkeypatch.delenv("SWAPOPT_DEVICE", raising=False)
+    return monkeypatch
+
+
+@pytest.fixture
+def sim(clean_device_env: pytest.MonkeyPatch) -> Iterator[simulator.SimDevice]:
+    """A fresh simulated H100 (sanitizer on) for the duration of the test."""
+    with simulator.activate() as device:
+        yield device
+
+
+@pytest.fixture
+def sim_no_launch(clean_device_env: pytest.MonkeyPatch) -> Iterator[simulator.SimDevice]:
+    """A simulated H100 whose launches cost no host time, so modeled times are exact sums of op costs."""
+    preset = dataclasses.replace(simulator.PRESETS["h100"], launch_us=0.0)
+    with simulator.activate(preset) as device:
+        yield device

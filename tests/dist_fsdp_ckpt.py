@@ -1,0 +1,137 @@
+"""One rank of the FSDP2 + DCP checkpoint tests (launched by tests/test_dcp_fsdp.py, torchrun-style env).
+
+Trains a tiny model whose dims do not divide by the world size, sharded with ``fully_shard`` on a CPU
+mesh (gloo), with SwapOptimizer(AdamW) (or plain AdamW: ``plain=1``). Optionally loads a DCP checkpoint
+first, saves one after training, and dumps the full params and optimizer states (gathered) to a file.
+Usage: dist_fsdp_ckpt.py JOB [JOB ...], a JOB being e.g. ``load=DIR,start=3,steps=3,dump=FILE``.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+import device
+from swapopt import SwapOptimizer
+
+
+def build(world_size: int, plain: bool):
+    torch.manual_seed(0)
+    # 7, 5 and 3 rows: uneven shards on 2 ranks (4+3, 3+2, 2+1).
+    model = nn.Sequential(nn.Linear(6, 7), nn.Tanh(), nn.Linear(7, 5), nn.Tanh(), nn.Linear(5, 3))
+    mesh = init_device_mesh("cpu", (world_size,))
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=True)
+    opt = inner if plain else SwapOptimizer(inner, swap_optimizer_times=3)
+    return model, opt
+
+
+def train(model, opt, start: int, steps: int, rank: int) -> None:
+    for step in range(start, start + steps):
+        g = torch.Generator().manual_seed(1000 * step + rank)
+        x = torch.randn(4, 6, generator=g)
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def state(model, opt) -> dict:
+    return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+
+
+def check_swapped(opt: SwapOptimizer, steps: int) -> None:
+    """The states really live on the host as DTensors over host shards, and steps really streamed them."""
+    assert device.get_device() == "sim"
+    opt.wait_for_swap_out()
+    for p, st in opt.state.items():
+        for key, value in st.items():
+            if key != "step":
+                assert isinstance(value, DTensor) and value.shape == p.shape and device.is_host_tensor(value), key
+    assert steps == 0 or opt.swap_stats().h2d_bytes > 0
+
+
+def load_optimizer(model, opt, osd: dict, options: StateDictOptions | None = None) -> None:
+    mod = device.get_torch_device_module()
+    before = mod.memory_allocated()
+    mod.reset_peak_memory_stats()
+    set_optimizer_state_dict(model, opt, osd, options=options)
+    # Loading optimizer state must not touch device memory (states go straight to host tensors) ...
+    assert mod.memory_allocated() == before, (before, mod.memory_allocated())
+    # ... not even for a moment, except for DCP's own broadcast buffers: full_state_dict loads broadcast one
+    # full tensor at a time on the process group's device (the CPU here, which the simulator counts).
+    if not (options and options.full_state_dict):
+        assert mod.max_memory_allocated() == before, (before, mod.max_memory_allocated())
+
+
+def dump(model, opt, path: str, rank: int) -> None:
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    full = {
+        "model": get_model_state_dict(model, options=opts),
+        "optim": get_optimizer_state_dict(model, opt, options=opts),
+    }
+    if rank == 0:
+        torch.save(full, path)
+
+
+def run(spec: str, rank: int, world_size: int) -> None:
+    """One job: ``key=value`` pairs separated by commas (plain, load, loadfull, broadcast, start, steps, save,
+    dump)."""
+    job = dict(kv.split("=", 1) for kv in spec.split(",") if kv)
+    model, opt = build(world_size, plain=job.get("plain") == "1")
+    if "load" in job:
+        sd = state(model, opt)  # on a fresh optimizer this runs DCP's zero-grad step to create the states
+        dcp.load(sd, checkpoint_id=job["load"])
+        set_model_state_dict(model, sd["model"])
+        load_optimizer(model, opt, sd["optim"])
+    if "loadfull" in job:
+        # Full (unsharded) tensors keyed by FQN, straight into load_state_dict: each rank takes its slice.
+        full = torch.load(job["loadfull"])
+        set_model_state_dict(model, full["model"], options=StateDictOptions(full_state_dict=True))
+        opt.load_state_dict(full["optim"])
+    if "broadcast" in job:
+        # The XTuner-style resume: rank 0 reads a full state dict and DCP broadcasts it into the shards.
+        full = torch.load(job["broadcast"]) if rank == 0 else {"model": {}, "optim": {}}
+        opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        set_model_state_dict(model, full["model"], options=opts)
+        get_optimizer_state_dict(model, opt)  # the zero-grad step that creates the states
+        load_optimizer(model, opt, full["optim"], opts)
+    steps = int(job.get("steps", 0))
+    train(model, opt, int(job.get("start", 0)), steps, rank)
+    if isinstance(opt, SwapOptimizer):
+        check_swapped(opt, steps)
+    if "save" in job:
+        dcp.save(state(model, opt), checkpoint_id=job["save"])
+    if "dump" in job:
+        dump(model, opt, job["dump"], rank)
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    device.get_torch_device_module()  # activates the process-wide simulator under SWAPOPT_DEVICE=sim
+    # Several jobs per launch: starting processes (importing torch) costs more than the jobs themselves.
+    for spec in sys.argv[1:]:
+        run(spec, dist.get_rank(), dist.get_world_size())
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

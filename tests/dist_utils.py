@@ -1,0 +1,129 @@
+"""Shared by the checkpoint, DCP and offload tests: a tiny model, a deterministic training loop, state
+snapshots, and a launcher that runs a script as N fresh ranks (torchrun-style env, gloo on 127.0.0.1)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from swapopt import SwapOptimizer
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(script: str, world_size: int, *args: str, timeout: float = 180.0) -> None:
+    """Run ``world_size`` ranks of ``tests/<script>`` on the simulator and wait for all; fails with their
+    stderr if any rank fails or times out."""
+    port = free_port()
+    root = Path(__file__).resolve().parent.parent
+    procs = []
+    for rank in range(world_size):
+        env = dict(
+            os.environ,
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(world_size),
+            LOCAL_WORLD_SIZE=str(world_size),
+            OMP_NUM_THREADS="1",
+            SWAPOPT_DEVICE="sim",  # the simulator, process-wide, in every rank
+            PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])),
+        )
+        # stderr to a file, not a pipe: a rank that logs a lot must not block on a full pipe.
+        err = tempfile.TemporaryFile("w+")
+        cmd = [sys.executable, str(root / "tests" / script), *args]
+        procs.append((subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err), err))
+    failures = []
+    for rank, (proc, err) in enumerate(procs):
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for p, _ in procs:
+                p.kill()
+            proc.wait()
+        if proc.returncode != 0:
+            err.seek(0)
+            failures.append(f"rank {rank} exited {proc.returncode}\n{err.read()[-4000:]}")
+        err.close()
+    if failures:
+        raise AssertionError(f"{script} {' '.join(args)} failed:\n" + "\n".join(failures))
+
+
+def adamw(model: nn.Module) -> torch.optim.AdamW:
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=True)
+
+
+def swap(model: nn.Module, **kw: Any) -> torch.optim.Optimizer:
+    return SwapOptimizer(adamw(model), swap_optimizer_times=3, **kw)
+
+
+def host_states(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The swapped states (all but ``step``), once in-flight swap-outs have landed."""
+    opt.wait_for_swap_out()
+    return [v for s in opt.state.values() for k, v in s.items() if k != "step"]
+
+
+def forward_backward(model: nn.Module, step: int) -> None:
+    g = torch.Generator().manual_seed(step)
+    model(torch.randn(4, 16, generator=g)).pow(2).mean().backward()
+
+
+def make_model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(16, 24), nn.Tanh(), nn.Linear(24, 8))
+
+
+def copy_model(model: nn.Module) -> nn.Module:
+    """A new model (device memory when a simulator is active, unlike copy.deepcopy) with ``model``'s values."""
+    new = make_model()
+    with torch.no_grad():
+        for p, q in zip(new.parameters(), model.parameters()):
+            p.copy_(q)
+    return new
+
+
+def train(model: nn.Module, opt: torch.optim.Optimizer, steps: int, start: int = 0) -> None:
+    """``steps`` optimizer steps on data that depends only on the step index."""
+    for step in range(start, start + steps):
+        forward_backward(model, step)
+        opt.step()
+        opt.zero_grad()
+
+
+def snapshot(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    """Copies of params and of the optimizer state dict (taken through state_dict: it waits for swap-outs)."""
+    sd = opt.state_dict()
+    return {
+        "params": [p.detach().clone() for p in model.parameters()],
+        "state": {i: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+                  for i, s in sd["state"].items()},
+        "param_groups": [dict(g) for g in sd["param_groups"]],
+    }
+
+
+def assert_same_state(a: dict[str, Any], b: dict[str, Any]) -> None:
+    """Same keys, shapes, dtypes and bitwise-equal values (params, states, param groups)."""
+    assert len(a["params"]) == len(b["params"])
+    for i, (x, y) in enumerate(zip(a["params"], b["params"])):
+        assert torch.equal(x, y), f"param {i} differs"
+    assert a["state"].keys() == b["state"].keys()
+    for i in a["state"]:
+        assert a["state"][i].keys() == b["state"][i].keys(), f"state keys of param {i}"
+        for k, x in a["state"][i].items():
+            y = b["state"][i][k]
+            assert (x.shape, x.dtype) == (y.shape, y.dtype), f"param {i} {k}: {x.shape}/{x.dtype}, {y.shape}/{y.dtype}"
+            assert torch.equal(x, y), f"param {i} {k} differs"
+    assert a["param_groups"] == b["param_groups"]

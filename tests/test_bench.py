@@ -1,0 +1,145 @@
+"""Benchmark strategies and CLI on the simulator: the reference strategies are real (bitwise equal
+to the plain optimizer) and the CLI writes its table, JSON and charts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from loguru import logger
+
+import device
+from device import sim
+from swapopt.bench.__main__ import main
+from swapopt.bench.model import clone_params, make_params, shape_for
+from swapopt.bench.strategies import AdamWSpec, make_strategy, mindspeed_chunks
+
+# A param larger than a chunk, a scalar-like vector, odd shapes: what chunkers get wrong.
+SHAPES = [(96, 32), (32,), (7, 5, 3), (256, 16), (1,), (48, 48)]
+
+
+def _on_host(t: torch.Tensor) -> torch.Tensor:
+    """A host copy of a device tensor (what .cpu() is on a real device; a no-op on the simulator)."""
+    if device.is_host_tensor(t):
+        return t
+    h = device.pinned_empty(tuple(t.shape), dtype=t.dtype)
+    h.copy_(t)
+    return h
+
+
+def _run(kind: str, spec: AdamWSpec, steps: int = 3, **kw):
+    params = make_params(SHAPES, seed=1)
+    strategy = make_strategy(kind, params, spec, **kw)
+    gen = torch.Generator().manual_seed(7)
+    for _ in range(steps):
+        for p in params:
+            # Fresh grads each step, identical across strategies (same generator sequence).
+            p.grad.copy_(torch.randn(p.shape, generator=gen))
+        strategy.step()
+        strategy.drain()
+    return params, strategy
+
+
+CASES = [
+    ("serial", {}),
+    ("one-in-flight", {"times": 1}),
+    ("one-in-flight", {"times": 4}),
+    ("one-in-flight", {"times": 100}),
+    ("whole", {}),
+    ("host-step", {}),
+    ("swapopt", {"times": 3, "slots": 2}),
+]
+
+
+@pytest.mark.parametrize("impl", ["fused", "foreach"])
+@pytest.mark.parametrize(("kind", "kw"), CASES, ids=[f"{k}-{kw}" for k, kw in CASES])
+def test_strategy_bitwise_equals_resident(kind, kw, impl):
+    if kind == "host-step" and impl == "foreach":
+        pytest.skip("host-step always runs torch's fused CPU AdamW; compared with resident fused")
+    spec = AdamWSpec(impl=impl)
+    with sim.activate("h100", sanitize=True):
+        ref_params, ref = _run("resident", spec)
+        params, strategy = _run(kind, spec, **kw)
+        for rp, p in zip(ref_params, params):
+            assert torch.equal(rp, p), kind
+            ref_state, state = ref.state_of(rp), strategy.state_of(p)
+            for key in ("exp_avg", "exp_avg_sq", "step"):
+                assert torch.equal(_on_host(ref_state[key]), _on_host(state[key])), (kind, key)
+        # The state really moved: nonzero and different from the initial params.
+        assert any(strategy.state_of(p)["exp_avg"].abs().sum() > 0 for p in params)
+        assert not torch.equal(params[0], make_params(SHAPES, seed=1)[0])
+
+
+def test_reference_states_live_on_host_between_steps():
+    with sim.activate("h100", sanitize=True) as dev:
+        for kind in ("serial", "one-in-flight", "whole", "host-step"):
+            params, strategy = _run(kind, AdamWSpec(), steps=1)
+            for p in params:
+                for key in ("exp_avg", "exp_avg_sq"):
+                    assert dev.is_host(strategy.state_of(p)[key]), (kind, key)
+            assert strategy.host_bytes() >= 8 * sum(p.numel() for p in params)
+
+
+def test_mindspeed_chunks_whole_params_within_budget():
+    params = make_params(SHAPES)
+    for times in (1, 2, 5, 16, 1000):
+        chunks = mindspeed_chunks(params, times)
+        assert [p for c in chunks for p in c] == params
+        budget = sum(p.numel() for p in params) // times
+        assert all(len(c) == 1 or sum(p.numel() for p in c) <= budget for c in chunks)
+
+
+def test_clone_params_independent():
+    with sim.activate("h100"):
+        params = make_params(shape_for(0.0001), seed=3)
+        copies = clone_params(params)
+        with torch.no_grad():
+            copies[0].add_(1.0)
+        assert not torch.equal(params[0], copies[0])
+        assert torch.equal(params[1], copies[1]) and torch.equal(params[1].grad, copies[1].grad)
+
+
+@pytest.fixture
+def quiet_library_after():
+    # main() enables the library's logging as a CLI should; give the rest of the session its default back.
+    yield
+    logger.disable("swapopt")
+    logger.disable("device")
+
+
+@pytest.mark.usefixtures("quiet_library_after")
+def test_cli_sim_writes_table_json_and_charts(tmp_path, capsys):
+    rc = main([
+        "--sim", "h100", "--sizes", "0.001", "--times", "4,16", "--slots", "2,3", "--reference-times", "16",
+        "--e2e", "none", "--out", str(tmp_path), "--no-progress",
+    ])
+    assert rc == 0
+    names = sorted(p.name for p in tmp_path.iterdir())
+    stem = next(n for n in names if n.endswith(".json"))[: -len(".json")]
+    assert stem.startswith("sim-h100-")
+    assert {f"{stem}.json", f"{stem}.md", f"{stem}-chart.png", f"{stem}-timeline.png"} <= set(names)
+    for png in ("-chart.png", "-timeline.png"):
+        assert (tmp_path / f"{stem}{png}").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    data = json.loads((tmp_path / f"{stem}.json").read_text())
+    assert data["device"] == "sim" and data["torch"] == torch.__version__ and data["preset"]["name"] == "h100"
+    (size,) = data["sizes"]
+    kinds = {r["kind"] for r in size["rows"]}
+    assert {"resident", "swapopt", "serial", "one-in-flight", "whole", "host-step"} <= kinds
+    assert len([r for r in size["rows"] if r["kind"] == "swapopt"]) == 4
+    assert size["bound_ms"] > 0 and size["bandwidth"]["h2d_both"] > 0
+    # Simulated bandwidth is the preset's link rate.
+    assert size["bandwidth"]["h2d_alone"] == pytest.approx(55.0, rel=0.1)  # one launch latency per probe
+    for r in size["rows"]:
+        assert r["step_ms"] > 0 and r["ratio"] == pytest.approx(r["step_ms"] / size["bound_ms"])
+    md = (tmp_path / f"{stem}.md").read_text()
+    assert "| strategy | reproduces | step ms | x bound |" in md and "serial" in md
+    assert str(tmp_path / f"{stem}.json") in capsys.readouterr().out
+
+    # --render rebuilds the markdown and chart from the JSON alone.
+    (tmp_path / f"{stem}.md").unlink()
+    (tmp_path / f"{stem}-chart.png").unlink()
+    assert main(["--render", str(tmp_path / f"{stem}.json")]) == 0
+    assert (tmp_path / f"{stem}.md").read_text() == md
+    assert (tmp_path / f"{stem}-chart.png").exists()

@@ -1,0 +1,206 @@
+"""RL phases on the simulator: offload/onload around a rollout that needs the device memory, idempotence,
+safety before the first step and after a failed step, re-homing of states moved behind the optimizer's
+back, and put_optimizer_to_device."""
+
+from __future__ import annotations
+
+import importlib
+import warnings
+
+import pytest
+import torch
+from dist_utils import adamw, assert_same_state, forward_backward, host_states, make_model, snapshot, swap, train
+from loguru import logger
+
+import device
+from device import sim as simulator
+from swapopt import offload, offloaded, onload, put_optimizer_to_device
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def device_state_bytes(opt) -> int:
+    opt.wait_for_swap_out()
+    return sum(nbytes(v) for s in opt.state.values() for v in s.values()
+               if isinstance(v, torch.Tensor) and not device.is_host_tensor(v))
+
+
+def _reference_run(steps: int) -> tuple[dict, int]:
+    """Uninterrupted swap training; returns its final snapshot and the peak device memory it needed."""
+    with simulator.activate("h100", sanitize=True) as mod:
+        model = make_model()
+        opt = swap(model)
+        mod.reset_peak_memory_stats()
+        train(model, opt, steps)
+        return snapshot(model, opt), mod.max_memory_allocated()
+
+
+def test_rl_phase_frees_the_device_for_a_kv_cache_and_training_continues_bitwise():
+    expected, train_peak = _reference_run(5)
+    with simulator.activate("h100", capacity_bytes=train_peak, sanitize=True) as mod:
+        model = make_model()
+        opt = swap(model)
+        param_bytes = sum(nbytes(p) for p in model.parameters())
+        train(model, opt, 2)
+        forward_backward(model, 2)
+        opt.step()
+
+        offload(opt, empty_cache=True)
+        grad_bytes = sum(nbytes(p.grad) for p in model.parameters())
+        assert mod.memory_allocated() == param_bytes + grad_bytes + device_state_bytes(opt)
+        opt.zero_grad()
+
+        # The rollout takes every byte training does not hold; resident AdamW states (2x params) could
+        # not have stayed beside it.
+        kv_bytes = train_peak - mod.memory_allocated()
+        assert sum(nbytes(t) for t in host_states(opt)) == 2 * param_bytes
+        assert param_bytes + 2 * param_bytes + kv_bytes > train_peak
+        kv_cache = torch.empty(kv_bytes, dtype=torch.uint8)
+        kv_cache.fill_(7)
+        del kv_cache
+
+        onload(opt)
+        train(model, opt, 2, start=3)
+        assert_same_state(expected, snapshot(model, opt))
+
+
+def test_offloaded_context_onloads_on_exception_and_training_continues(monkeypatch):
+    expected, _ = _reference_run(4)
+    calls = []
+    # The module, not the function of the same name that the swapopt package exports.
+    module = importlib.import_module("swapopt.offload")
+    real_onload = module.onload
+    monkeypatch.setattr(module, "onload", lambda o: (calls.append(o), real_onload(o)))
+    with simulator.activate("h100", sanitize=True):
+        model = make_model()
+        opt = swap(model)
+        train(model, opt, 2)
+        with pytest.raises(RuntimeError, match="rollout failed"):
+            with offloaded(opt):
+                raise RuntimeError("rollout failed")
+        assert calls == [opt]
+        train(model, opt, 2, start=2)
+        assert_same_state(expected, snapshot(model, opt))
+
+
+def test_offload_onload_are_idempotent_before_the_first_step(sim):
+    model = make_model()
+    opt = swap(model)
+    params = [p.detach().clone() for p in model.parameters()]
+    before = sim.memory_allocated()
+    offload(opt)
+    offload(opt, empty_cache=True)
+    onload(opt)
+    onload(opt)
+    opt.onload()  # onload with no offload
+    opt.offload()
+    opt.onload()
+    assert not opt.state
+    assert sim.memory_allocated() == before
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), params))
+
+
+def test_offload_onload_change_no_state(sim):
+    model = make_model()
+    opt = swap(model)
+    train(model, opt, 2)
+    before = snapshot(model, opt)
+    ptrs = [t.data_ptr() for t in host_states(opt)]
+    onload(opt)
+    offload(opt)
+    offload(opt)
+    onload(opt)
+    onload(opt)
+    assert_same_state(before, snapshot(model, opt))
+    assert [t.data_ptr() for t in host_states(opt)] == ptrs
+    assert all(device.is_host_tensor(t) for t in host_states(opt))
+
+
+def test_offload_after_a_failed_step_frees_staging():
+    with simulator.activate("h100", capacity_bytes=1 << 20, sanitize=True) as mod:
+        model = make_model()
+        opt = swap(model)
+        train(model, opt, 1)
+        forward_backward(model, 1)
+        # Leave no room for staging: the step fails on its first device allocation.
+        blocker = torch.empty(mod.mem_get_info()[0], dtype=torch.uint8)
+        with pytest.raises(torch.OutOfMemoryError):
+            opt.step()
+        del blocker
+        offload(opt, empty_cache=True)
+        offload(opt)
+        expected = sum(nbytes(p) + nbytes(p.grad) for p in model.parameters()) + device_state_bytes(opt)
+        assert mod.memory_allocated() == expected
+        onload(opt)
+        opt.step()
+        opt.zero_grad()
+        assert all(device.is_host_tensor(t) for t in host_states(opt))
+
+
+def test_state_moved_to_device_is_rehomed_at_next_step_with_warning():
+    expected, _ = _reference_run(3)
+    messages: list[str] = []
+    logger.enable("swapopt")
+    sink = logger.add(lambda m: messages.append(str(m)), level="WARNING")
+    try:
+        with simulator.activate("h100", sanitize=True), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model = make_model()
+            opt = swap(model)
+            train(model, opt, 2)
+            opt.wait_for_swap_out()
+            p = next(iter(model.parameters()))
+            host = opt.state[p]["exp_avg"]
+            # What ``state[k] = state[k].to(dev)`` does on an accelerator: a device copy replaces the host one.
+            opt.state[p]["exp_avg"] = torch.empty(host.shape, device=device.torch_device()).copy_(host)
+            assert not device.is_host_tensor(opt.state[p]["exp_avg"])
+            train(model, opt, 1, start=2)
+            opt.wait_for_swap_out()
+            # Back in the very pinned tensor it came from (no new host allocation), values intact.
+            assert opt.state[p]["exp_avg"].data_ptr() == host.data_ptr()
+            assert device.is_host_tensor(opt.state[p]["exp_avg"])
+            assert_same_state(expected, snapshot(model, opt))
+    finally:
+        logger.remove(sink)
+        logger.disable("swapopt")
+    assert messages or caught, "re-homing a state must warn"
+
+
+def test_put_optimizer_to_device_is_false_for_swap_optimizer(sim):
+    model = make_model()
+    opt = swap(model)
+    train(model, opt, 1)
+    before = snapshot(model, opt)
+    ptrs = [t.data_ptr() for t in host_states(opt)]
+    assert put_optimizer_to_device(opt, "cpu") is False
+    assert put_optimizer_to_device(opt, device.torch_device()) is False
+    assert [t.data_ptr() for t in host_states(opt)] == ptrs
+    assert_same_state(before, snapshot(model, opt))
+
+
+@pytest.mark.parametrize("capturable", [False, True])
+def test_put_optimizer_to_device_moves_a_plain_optimizer(capturable):
+    model = make_model()
+    opt = adamw(model)
+    train(model, opt, 1)
+    opt.param_groups[0]["capturable"] = capturable
+    assert put_optimizer_to_device(opt, "meta") is True
+    for s in opt.state.values():
+        assert s["exp_avg"].is_meta and s["exp_avg_sq"].is_meta
+        # The CPU scalar step stays put unless the optimizer keeps it on the device (capturable/fused).
+        assert s["step"].is_meta == capturable
+
+
+def test_offload_onload_of_a_plain_optimizer_round_trip():
+    # SwapConfig(swap_optimizer=False).wrap returns the plain optimizer: the same RL code must still work.
+    model = make_model()
+    opt = adamw(model)
+    train(model, opt, 2)
+    before = snapshot(model, opt)
+    with offloaded(opt):
+        assert all(v.device.type == "cpu" for s in opt.state.values() for v in s.values())
+    onload(opt)
+    assert_same_state(before, snapshot(model, opt))
+    assert all(s["exp_avg"].device == p.device for p, s in opt.state.items())

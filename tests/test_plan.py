@@ -1,0 +1,158 @@
+"""Chunk planning: pure functions, checked with hypothesis."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from swapopt.plan import ParamSize, Piece, budget_for, chunk_pieces, make_plan, pick_resident
+
+ALIGN = 8
+
+
+@st.composite
+def param_sizes(draw, max_params: int = 12):
+    n = draw(st.integers(0, max_params))
+    sizes = []
+    for i in range(n):
+        numel = draw(st.integers(0, 300))
+        splittable = draw(st.booleans())
+        if splittable:
+            elem = draw(st.sampled_from([0, 2, 4, 8, 12, 16]))
+            sizes.append(ParamSize(i, numel, numel * elem, True))
+        else:
+            sizes.append(ParamSize(i, numel, draw(st.integers(0, 2000)), False))
+    return sizes
+
+
+def _check_cover(sizes, chunks):
+    flat = [p for c in chunks for p in c.pieces]
+    by_param: dict[int, list[Piece]] = {}
+    for p in flat:
+        by_param.setdefault(p.index, []).append(p)
+    assert sorted(by_param) == sorted(s.index for s in sizes)
+    # order stable: pieces appear in param order, then flat order
+    assert [(p.index, p.start) for p in flat] == sorted((p.index, p.start) for p in flat)
+    for s in sizes:
+        pieces = by_param[s.index]
+        assert pieces[0].start == 0 and pieces[-1].stop == s.numel
+        for a, b in zip(pieces, pieces[1:]):
+            assert a.stop == b.start  # contiguous: every element exactly once
+        if not s.splittable:
+            assert len(pieces) == 1
+        for p in pieces:
+            assert p.stop == s.numel or p.stop % ALIGN == 0, "cut not aligned"
+            assert p.numel > 0 or s.numel == 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(param_sizes(), st.integers(1, 3000))
+def test_chunk_pieces_cover_budget_order(sizes, budget):
+    chunks = chunk_pieces(sizes, budget, ALIGN)
+    _check_cover(sizes, chunks)
+    by_index = {s.index: s for s in sizes}
+    for c in chunks:
+        assert c.pieces
+        nbytes = sum(
+            p.numel * by_index[p.index].elem_bytes if by_index[p.index].splittable else by_index[p.index].state_bytes
+            for p in c.pieces
+        )
+        assert nbytes == c.nbytes
+        if c.nbytes > budget:
+            # only a lone oversized whole param or a lone aligned block may exceed the budget
+            big = [p for p in c.pieces if by_index[p.index].state_bytes > 0]
+            assert len(big) == 1
+            s = by_index[big[0].index]
+            assert (not s.splittable) or big[0].numel <= ALIGN
+
+
+@settings(max_examples=300, deadline=None)
+@given(param_sizes(), st.integers(1, 40))
+def test_make_plan_times(sizes, times):
+    plan = make_plan(sizes, times=times, align=ALIGN)
+    _check_cover(sizes, plan.chunks)
+    total = sum(s.state_bytes for s in sizes)
+    assert plan.total_bytes == total
+    swapped = [s for s in sizes if s.state_bytes > 0]
+    if swapped and all(s.splittable for s in swapped):
+        assert len(plan.chunks) <= times
+    for i, k in plan.last_chunk.items():
+        assert any(p.index == i for p in plan.chunks[k].pieces)
+        assert all(p.index != i for c in plan.chunks[k + 1:] for p in c.pieces)
+
+
+@settings(max_examples=300, deadline=None)
+@given(param_sizes(), st.integers(1, 3000))
+def test_keep_whole_cuts_only_params_larger_than_budget(sizes, budget):
+    chunks = chunk_pieces(sizes, budget, ALIGN, keep_whole=True)
+    _check_cover(sizes, chunks)
+    for s in sizes:
+        n_pieces = sum(p.index == s.index for c in chunks for p in c.pieces)
+        if s.state_bytes <= budget:
+            assert n_pieces == 1, f"param {s.index} fits a chunk but was cut"
+
+
+def test_llm_shaped_plan_keeps_params_whole():
+    # 32 layers of 7 matrices of uneven sizes: 16 chunks fit without cutting any param,
+    # within a quarter more bytes per chunk than an even split.
+    numels = [4096 * 4096, 1024 * 4096, 1024 * 4096, 4096 * 4096, 11008 * 4096, 11008 * 4096, 4096 * 11008] * 32
+    sizes = [ParamSize(i, n, 8 * n, True) for i, n in enumerate(numels)]
+    plan = make_plan(sizes, times=16)
+    assert len(plan.chunks) <= 16
+    assert sum(len(c.pieces) for c in plan.chunks) == len(sizes)  # no param cut
+    assert plan.max_chunk_bytes <= 1.25 * budget_for(plan.total_bytes, 16)
+    # a param larger than a chunk is still cut, so the cap holds
+    sizes.append(ParamSize(len(sizes), 32000 * 4096 * 8, 8 * 32000 * 4096 * 8, True))
+    plan = make_plan(sizes, times=16)
+    assert sum(p.index == len(sizes) - 1 for c in plan.chunks for p in c.pieces) > 1
+    assert plan.max_chunk_bytes <= 1.25 * budget_for(plan.total_bytes, 16)
+
+
+def test_times_larger_than_params_and_split():
+    sizes = [ParamSize(0, 4096, 4096 * 8, True), ParamSize(1, 10, 80, True)]
+    plan = make_plan(sizes, times=64, align=512)
+    # the 4096-element param is split at 512-element boundaries
+    assert [p for c in plan.chunks for p in c.pieces if p.index == 0] == [
+        Piece(0, i, i + 512) for i in range(0, 4096, 512)
+    ]
+    assert len(plan.chunks) == 9
+    whole = [ParamSize(i, 100, 400, False) for i in range(3)]
+    assert len(make_plan(whole, times=16).chunks) == 3
+
+
+def test_times_exact_for_even_sizes():
+    sizes = [ParamSize(i, 1 << 16, (1 << 16) * 8, True) for i in range(4)]  # 512 aligned blocks
+    for times in (1, 3, 16):
+        assert len(make_plan(sizes, times=times, align=512).chunks) == times
+    plan = make_plan(sizes, times=100, align=512)
+    # 512 blocks cannot be cut into 100 equal chunks: the largest chunk holds ceil(512/100) blocks
+    assert len(plan.chunks) <= 100
+    assert plan.max_chunk_bytes == 6 * 512 * 8
+
+
+def test_whole_params_make_chunk_at_least_largest():
+    sizes = [ParamSize(0, 10, 100, False), ParamSize(1, 10, 1000, False), ParamSize(2, 10, 100, False)]
+    plan = make_plan(sizes, chunk_bytes=150)
+    assert [c.nbytes for c in plan.chunks] == [100, 1000, 100]
+
+
+def test_zero_state_params_ride_along():
+    sizes = [ParamSize(0, 10, 0, True), ParamSize(1, 10, 0, False)]
+    plan = make_plan(sizes, times=4)
+    assert len(plan.chunks) == 1 and plan.total_bytes == 0
+
+
+def test_resident_first_fit():
+    sizes = [ParamSize(0, 10, 400, True), ParamSize(1, 10, 80, True), ParamSize(2, 10, 80, True)]
+    assert pick_resident(sizes, 200) == (1, 2)
+    plan = make_plan(sizes, times=2, resident_bytes=200)
+    assert plan.resident == (1, 2)
+    assert {p.index for c in plan.chunks for p in c.pieces} == {0}
+
+
+def test_bad_knobs():
+    with pytest.raises(ValueError, match="swap_optimizer_times"):
+        make_plan([], times=0)
+    with pytest.raises(ValueError, match="swap_optimizer_times"):
+        budget_for(10, 0)

@@ -1,0 +1,99 @@
+"""The torch.cuda-like surface of SimDevice."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import device
+from device import sim as simulator
+
+
+def test_module_surface(sim):
+    assert sim.is_available() and sim.device_count() == 1 and sim.current_device() == 0
+    sim.set_device(0)
+    sim.set_device(torch.device("cpu"))
+    with pytest.raises(ValueError):
+        sim.set_device(1)
+    assert sim.default_stream() is sim.current_stream()
+    assert sim.default_stream().name == "compute"
+    s = sim.Stream()
+    assert isinstance(s, sim.Stream) and isinstance(s, simulator.SimStream) and s.name == "stream#1"
+    assert sim.Stream(name="h2d").name == "h2d" and sim.Stream().name == "stream#3"
+    e = sim.Event(enable_timing=True)
+    assert isinstance(e, sim.Event) and e.query()  # an unrecorded event is complete
+    e.synchronize()
+    sim.empty_cache()
+    assert sim.get_device_name() == "sim:h100"
+    assert sim.get_device_properties().total_memory == sim.mem_get_info()[1]
+    assert sim.memory_stats()["allocated_bytes.all.current"] == 0
+
+
+def test_stream_contexts_restore(sim):
+    s1, s2 = sim.Stream(), sim.Stream()
+    with sim.stream(s1):
+        assert sim.current_stream() is s1
+        with s2:
+            assert sim.current_stream() is s2
+        assert sim.current_stream() is s1
+        with sim.stream(None):
+            assert sim.current_stream() is s1
+    assert sim.current_stream() is sim.default_stream()
+    with pytest.raises(KeyError):
+        with sim.stream(s1):
+            raise KeyError
+    assert sim.current_stream() is sim.default_stream()
+
+
+def test_query_reports_modeled_completion(sim):
+    s = sim.Stream()
+    host = device.pinned_empty(1 << 20)
+    dev = torch.empty(1 << 20)
+    s.wait_stream(sim.default_stream())
+    with sim.stream(s):
+        dev.copy_(host, non_blocking=True)
+    done = s.record_event()
+    assert not done.query() and not s.query()  # each poll costs host time...
+    while not done.query():
+        pass  # ...so polling terminates
+    assert sim.now_us() >= done.time_us
+    sim.current_stream().wait_event(done)
+    dev.add_(1)  # ordered by the wait, no race
+    assert s.query()
+
+
+def test_successful_query_orders_the_host(sim):
+    s = sim.Stream()
+    src = torch.full((8,), 5.0)
+    s.wait_stream(sim.default_stream())
+    host = device.pinned_empty(8)
+    with sim.stream(s):
+        host.copy_(src, non_blocking=True)
+    device.record_stream(src, s)
+    event = s.record_event()
+    while not event.query():
+        pass
+    assert torch.equal(host, torch.full((8,), 5.0))
+
+
+def test_wait_on_unrecorded_event_is_a_no_op(sim):
+    s = sim.Stream()
+    s.wait_event(sim.Event())
+    with pytest.raises(RuntimeError, match="recorded"):
+        sim.Event(enable_timing=True).elapsed_time(sim.Event(enable_timing=True))
+
+
+def test_synchronize_orders_everything(sim):
+    streams = [sim.Stream() for _ in range(3)]
+    hosts = [device.pinned_empty(16) for _ in streams]
+    srcs = [torch.full((16,), float(i)) for i in range(3)]
+    for s, h, src in zip(streams, hosts, srcs):
+        s.wait_stream(sim.default_stream())
+        with sim.stream(s):
+            h.copy_(src, non_blocking=True)
+    sim.synchronize()
+    assert sim.now_us() == pytest.approx(max(op.end_us for op in sim.timeline))
+    for i, h in enumerate(hosts):
+        assert torch.equal(h, torch.full((16,), float(i)))
+    for src in srcs:
+        src.zero_()  # every stream is done with the sources

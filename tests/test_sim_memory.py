@@ -1,0 +1,107 @@
+"""Memory accounting of the simulated device: exact live bytes, peak, capacity, host memory excluded."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import device
+from device import sim as simulator
+
+
+def test_allocation_free_and_peak_are_exact(sim):
+    assert sim.memory_allocated() == 0
+    a = torch.empty(1000)  # 4000 bytes
+    b = torch.zeros(10, 10, dtype=torch.float64)  # 800 bytes
+    assert sim.memory_allocated() == 4800
+    c = a.view(10, 100)[2:5]  # views allocate nothing
+    assert sim.memory_allocated() == 4800
+    del a
+    assert sim.memory_allocated() == 4800  # c still holds the storage
+    del c
+    assert sim.memory_allocated() == 800
+    assert sim.max_memory_allocated() == 4800
+    sim.reset_peak_memory_stats()
+    assert sim.max_memory_allocated() == 800
+    d = b * 2
+    assert sim.max_memory_allocated() == 1600 and d.dtype == torch.float64
+    assert sim.memory_reserved() == sim.memory_allocated()
+    free, total = sim.mem_get_info()
+    assert total == 80 * 2**30 and free == total - 1600
+
+
+def test_pinned_and_pageable_memory_are_not_device_memory(sim):
+    pinned = device.pinned_empty((256, 4), torch.bfloat16)
+    literal = torch.tensor([1.0, 2.0])
+    assert sim.memory_allocated() == 0
+    assert sim.is_host(pinned) and sim.is_host(literal)
+    copy = torch.empty(256, 4, dtype=torch.bfloat16)
+    copy.copy_(pinned, non_blocking=True)
+    assert sim.memory_allocated() == 2048
+
+
+def test_tensors_from_before_activation_are_pageable(clean_device_env):
+    before = torch.ones(16)
+    with simulator.activate() as sim:
+        assert sim.is_host(before)
+        moved = torch.empty(16)
+        moved.copy_(before)
+        assert not sim.is_host(moved) and sim.memory_allocated() == 64
+        derived = before * 2  # a host computation stays on the host
+        assert sim.is_host(derived) and sim.memory_allocated() == 64
+
+
+def test_capacity_raises_out_of_memory_before_allocating(clean_device_env):
+    with simulator.activate(capacity_bytes=10_000) as sim:
+        keep = torch.empty(2000)  # 8000 bytes
+        with pytest.raises(torch.OutOfMemoryError, match="out of memory") as err:
+            torch.zeros(1000)
+        assert "Tried to allocate" in str(err.value)
+        assert sim.OutOfMemoryError is torch.OutOfMemoryError
+        assert sim.memory_allocated() == 8000 and sim.max_memory_allocated() == 8000
+        with pytest.raises(torch.OutOfMemoryError):
+            keep * 2  # output checked after the op, then dropped
+        assert sim.memory_allocated() == 8000 and sim.max_memory_allocated() == 8000
+        big_host = device.pinned_empty(100_000)  # host memory is not limited by device capacity
+        del keep
+        ok = torch.zeros(2500)
+        assert sim.memory_allocated() == 10_000 and big_host.numel() == 100_000 and ok.numel() == 2500
+
+
+def test_resize_is_accounted(sim):
+    t = torch.empty(10)
+    t.resize_(100)
+    assert sim.memory_allocated() == 400
+    t.untyped_storage().resize_(0)  # behind the dispatcher, as FSDP2 frees unsharded parameters
+    t.resize_(0)
+    assert sim.memory_allocated() == 0
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 300), st.sampled_from([torch.float32, torch.float16, torch.int64])), max_size=8))
+def test_live_bytes_match_sum_of_storages(sizes):
+    with simulator.activate() as sim:
+        tensors = [torch.empty(n, dtype=dtype) for n, dtype in sizes]
+        assert sim.memory_allocated() == sum(t.untyped_storage().nbytes() for t in tensors)
+        peak = sim.memory_allocated()
+        tensors = tensors[::2]
+        assert sim.memory_allocated() == sum(t.untyped_storage().nbytes() for t in tensors)
+        assert sim.max_memory_allocated() == peak
+
+
+def test_pin_memory_paths_give_host_memory(sim):
+    a = torch.empty(100, pin_memory=True)
+    literal = torch.tensor([1.0, 2.0, 3.0])
+    b = literal.pin_memory()
+    assert a.is_pinned() and b.is_pinned() and not literal.is_pinned()
+    assert sim.is_host(a) and sim.is_host(b) and torch.equal(b, literal)
+    assert sim.memory_allocated() == 0
+    assert sim.host_memory_allocated() == 400 + 12 == sim.max_host_memory_allocated()
+    pinned = device.pinned_empty(25)
+    assert pinned.is_pinned() and sim.host_memory_allocated() == 512
+    del a
+    assert sim.host_memory_allocated() == 112 and sim.max_host_memory_allocated() == 512
+    with pytest.raises(RuntimeError, match="cannot pin"):
+        torch.ones(4).pin_memory()  # device memory, as pinning a CUDA tensor fails

@@ -1,0 +1,186 @@
+"""Device and host memory of SwapOptimizer on the simulator (sanitizer on)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import device
+from device import sim as simulator
+from swapopt import SwapOptimizer
+from swapopt.hoststate import is_swapped_state
+
+O = torch.optim
+KiB, MiB = 1 << 10, 1 << 20
+
+
+def _params(n=8, shape=(64, 64)):
+    return [torch.nn.Parameter(torch.randn(shape)) for _ in range(n)]
+
+
+def _grads(params):
+    for p in params:
+        p.grad = torch.randn(p.shape)
+
+
+def _device_bytes_outside_step(opt, params):
+    """What may stay on the device between steps: params, grads and scalar (unswapped) states."""
+    total = sum(p.numel() * p.element_size() * (2 if p.grad is not None else 1) for p in params)
+    for p in params:
+        for k, v in opt.state.get(p, {}).items():
+            if isinstance(v, torch.Tensor) and not device.is_host_tensor(v):
+                assert not is_swapped_state(p, k, v), f"swapped state {k!r} left on the device"
+                total += v.untyped_storage().nbytes()
+    return total
+
+
+def _pinned(dev, t):
+    info = dev._lookup(t.untyped_storage())  # the simulator's host registry
+    return info is not None and info.kind == "host"
+
+
+MAKERS = {
+    "adamw_foreach": lambda ps: O.AdamW(ps, lr=1e-3, foreach=True),
+    "adam_single_amsgrad_wd_max": lambda ps: O.Adam(ps, lr=1e-3, foreach=False, amsgrad=True, weight_decay=0.1, maximize=True),
+    "adamw_fused": lambda ps: O.AdamW(ps, lr=1e-3, fused=True),
+    "sgd_momentum": lambda ps: O.SGD(ps, lr=1e-3, momentum=0.9),
+    "rmsprop_centered": lambda ps: O.RMSprop(ps, lr=1e-3, centered=True, momentum=0.9, foreach=True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MAKERS))
+@pytest.mark.parametrize("slots", [1, 2, 3])
+def test_peak_extra_memory_bounded(name, slots):
+    with simulator.activate() as dev:
+        params = _params()
+        opt = SwapOptimizer(MAKERS[name](params), swap_optimizer_times=16, slots=slots)
+        for step in range(3):  # the first step creates the states chunk by chunk
+            _grads(params)
+            base = dev.memory_allocated()
+            dev.reset_peak_memory_stats()
+            opt.step()
+            chunk = opt._prepared.plan.max_chunk_bytes
+            extra = dev.max_memory_allocated() - base
+            assert extra <= (slots + 1) * chunk, f"step {step}: {extra} > {(slots + 1)} x {chunk}"
+            # nothing but params, grads and scalar step states remains on the device
+            assert dev.memory_allocated() == _device_bytes_outside_step(opt, params)
+        assert opt.swap_stats().chunks >= 8
+
+
+def _working_bytes(make, shape):
+    """Peak device memory one unwrapped step of one param needs beyond param, grad and states."""
+    with simulator.activate() as dev:
+        p = torch.nn.Parameter(torch.randn(shape))
+        opt = make([p])
+        for _ in range(2):
+            p.grad = torch.randn(shape)
+            base = dev.memory_allocated()
+            dev.reset_peak_memory_stats()
+            opt.step()
+        return dev.max_memory_allocated() - base
+
+
+def test_peak_memory_whole_param_optimizer():
+    # Adafactor's factored states are tiny, but its update works on param-sized temporaries: the bound is
+    # slots x chunk of staging plus the working memory the unwrapped optimizer needs for one param.
+    make = lambda ps: O.Adafactor(ps, lr=1e-3)  # noqa: E731
+    working = _working_bytes(make, (64, 64))
+    with simulator.activate() as dev:
+        params = _params()
+        opt = SwapOptimizer(make(params), swap_optimizer_times=16, slots=3)
+        for _ in range(3):
+            _grads(params)
+            base = dev.memory_allocated()
+            dev.reset_peak_memory_stats()
+            opt.step()
+            chunk = opt._prepared.plan.max_chunk_bytes
+            assert dev.max_memory_allocated() - base <= 3 * chunk + working
+            assert dev.memory_allocated() == _device_bytes_outside_step(opt, params)
+
+
+def test_host_bytes_equal_state_bytes_allocated_once(monkeypatch):
+    with simulator.activate() as dev:
+        params = _params(n=5, shape=(33, 17)) + [torch.nn.Parameter(torch.randn(()))]
+        opt = SwapOptimizer(O.AdamW(params, lr=1e-3, amsgrad=True), swap_optimizer_times=4)
+        calls = []
+        real = device.pinned_empty
+        monkeypatch.setattr(device, "pinned_empty", lambda *a, **k: calls.append(a) or real(*a, **k))
+        ptrs: dict = {}
+        for step in range(6):
+            _grads(params)
+            opt.step()
+            if step == 1:  # the first step creates the states, the second the split params' spares
+                allocated = len(calls)
+            opt.wait_for_swap_out()
+            for p in params:
+                for k, v in opt.state[p].items():
+                    if is_swapped_state(p, k, v):
+                        ptrs.setdefault((id(p), k), set()).add(v.data_ptr())
+        chunks = opt._prepared.plan.chunks
+        split = [p for i, p in enumerate(params) if sum(pc.index == i for c in chunks for pc in c.pieces) > 1]
+        assert split  # 4 chunks cut some 561-element params
+        split_ids = {id(p) for p in split}
+        # exp_avg, exp_avg_sq, max_exp_avg_sq once each; split params also a spare of each and a param backup
+        assert len(calls) == allocated == 3 * len(params) + 4 * len(split)
+        state_bytes = 0
+        for p in params:
+            for k, v in opt.state[p].items():
+                if is_swapped_state(p, k, v):
+                    assert _pinned(dev, v), k
+                    # a split param's state alternates between its two host tensors, the others stay put
+                    assert len(ptrs[(id(p), k)]) == (2 if id(p) in split_ids else 1), "host state reallocated"
+                    state_bytes += v.numel() * v.element_size()
+        expected = sum(3 * p.numel() * 4 for p in params)
+        host_bytes = sum(v.untyped_storage().nbytes() for p in params for k, v in opt.state[p].items() if _pinned(dev, v))
+        assert state_bytes == host_bytes == expected
+        # all pinned memory: the states, plus for split params a spare of their states and a param backup
+        # (atomic_split: a failing step restores those params and keeps their old states)
+        assert dev.host_memory_allocated() == expected + sum(3 * p.nbytes + p.nbytes for p in split)
+
+
+def test_resident_states_stay_on_device():
+    with simulator.activate() as dev:
+        params = [torch.nn.Parameter(torch.randn(100)) for _ in range(4)]
+        opt = SwapOptimizer(O.AdamW(params, lr=1e-3), swap_optimizer_times=2, resident_mb=2 * 800 / MiB)
+        for _ in range(3):
+            _grads(params)
+            opt.step()
+        opt.wait_for_swap_out()
+        on_device = [p for p in params if not device.is_host_tensor(opt.state[p]["exp_avg"])]
+        assert on_device == params[:2]
+        resident_bytes = sum(opt.state[p][k].nbytes for p in on_device for k in ("exp_avg", "exp_avg_sq"))
+        assert resident_bytes <= 2 * 800
+        assert dev.memory_allocated() == sum(p.nbytes * 2 for p in params) + resident_bytes
+        # a checkpoint round trip puts every state on the host; the next step makes the same params resident
+        opt.load_state_dict(opt.state_dict())
+        _grads(params)
+        opt.step()
+        opt.wait_for_swap_out()
+        assert [p for p in params if not device.is_host_tensor(opt.state[p]["exp_avg"])] == params[:2]
+
+
+def _train(dev, model, opt, steps=3):
+    x = torch.randn(4, 256)
+    for _ in range(steps):
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+
+
+def test_capped_device_trains_only_with_swap():
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(*[torch.nn.Linear(256, 256, bias=False) for _ in range(4)])
+
+    # params 1 MiB + grads 1 MiB + Adam states 2 MiB do not fit in 3 MiB; swapped, states stream through
+    cap = 3 * MiB
+    with simulator.activate(capacity_bytes=cap) as dev:
+        m = model()
+        with pytest.raises(torch.OutOfMemoryError):
+            _train(dev, m, O.AdamW(m.parameters(), lr=1e-3))
+    with simulator.activate(capacity_bytes=cap) as dev:
+        m = model()
+        opt = SwapOptimizer(O.AdamW(m.parameters(), lr=1e-3), swap_optimizer_times=16)
+        _train(dev, m, opt, steps=4)
+        assert dev.max_memory_allocated() <= cap
+        assert opt.swap_stats().steps == 4
