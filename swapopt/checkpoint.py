@@ -16,8 +16,7 @@ import torch
 
 import device
 from swapopt import hoststate
-from swapopt.hoststate import is_dtensor
-from swapopt.optimizer import ELEMENTWISE
+from swapopt.hoststate import ELEMENTWISE, is_dtensor
 
 def state_dict(opt) -> dict[str, Any]:
     """The inner optimizer's state dict, its swapped states being the host tensors themselves.

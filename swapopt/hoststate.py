@@ -14,6 +14,14 @@ try:  # torch.distributed may be absent on some builds
 except Exception:  # pragma: no cover - builds without distributed
     DTensor = None  # type: ignore[assignment,misc]
 
+# Optimizers whose every non-scalar state has the param's shape and whose update of an element reads
+# only that element: one param may be split across chunks and stepped as flat pieces.
+ELEMENTWISE: tuple[type, ...] = tuple(
+    getattr(torch.optim, name)
+    for name in ("Adam", "AdamW", "SGD", "Adagrad", "RMSprop", "Adamax", "NAdam", "RAdam", "ASGD", "Rprop", "Adadelta")
+    if hasattr(torch.optim, name)
+)
+
 # Per-param scalar bookkeeping that torch optimizers keep as 0-dim tensors next to the big states:
 # Adam-family "step", NAdam "mu_product", ASGD "eta" and "mu". They are read on the host every step
 # (non-capturable paths call .item() on them), tiny, and cloned per piece, so they never swap.

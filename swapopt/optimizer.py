@@ -22,22 +22,13 @@ from loguru import logger
 from pydantic import BaseModel
 
 import device
-from swapopt import hoststate
-from swapopt.hoststate import is_swapped_state, local, new_host_like, wrap_like
+from swapopt import checkpoint, hoststate
+from swapopt.hoststate import ELEMENTWISE, is_swapped_state, local, new_host_like, wrap_like
 from swapopt.operate import SwapOptimizerOperate
 from swapopt.plan import DEFAULT_ALIGN, ParamSize, Plan, make_plan
 
 MiB = 1 << 20
 _SLOT_ALIGN = 64  # bytes; every slot region starts on a cache line (and a 16-byte vector boundary)
-
-# Optimizers whose every non-scalar state has the param's shape and whose update of an element reads
-# only that element: one param may be split across chunks and stepped as flat pieces.
-ELEMENTWISE: tuple[type, ...] = tuple(
-    getattr(torch.optim, name)
-    for name in ("Adam", "AdamW", "SGD", "Adagrad", "RMSprop", "Adamax", "NAdam", "RAdam", "ASGD", "Rprop", "Adadelta")
-    if hasattr(torch.optim, name)
-)
-
 
 class SwapStats(BaseModel):
     """Counters of the last step (``steps`` counts all swapped steps); ``d2h_bytes`` includes the param
@@ -239,27 +230,10 @@ class SwapOptimizer(torch.optim.Optimizer):
         raise TypeError("SwapOptimizer holds streams and events and cannot be pickled; use state_dict()")
 
     def state_dict(self) -> dict[str, Any]:
-        try:
-            from swapopt import checkpoint
-        except ImportError:
-            checkpoint = None
-        if checkpoint is not None and hasattr(checkpoint, "state_dict"):
-            return checkpoint.state_dict(self)
-        self.wait_for_swap_out()
-        return self.optimizer.state_dict()
+        return checkpoint.state_dict(self)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        try:
-            from swapopt import checkpoint
-        except ImportError:
-            checkpoint = None
-        if checkpoint is not None and hasattr(checkpoint, "load_state_dict"):
-            checkpoint.load_state_dict(self, state_dict)
-        else:
-            self.wait_for_swap_out()
-            self.optimizer.load_state_dict(state_dict)
-            if self._device != "cpu":
-                self._adopt_existing()
+        checkpoint.load_state_dict(self, state_dict)
         # Optimizer.load_state_dict rebinds state/param_groups: keep sharing the inner's objects.
         self.param_groups = self.optimizer.param_groups
         self.state = self.optimizer.state

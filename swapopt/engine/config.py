@@ -63,13 +63,15 @@ class DataConfig(_Strict):
     path: Optional[str] = None
 
 
-class AdamWConfig(_Strict):
+class AdamWConfig(SwapConfig):
     """The optimizer (XTuner style): torch's AdamW by default, wrapped in a SwapOptimizer when asked.
 
     ``type`` names any ``torch.optim`` optimizer; its constructor gets the keys below that it accepts.
-    ``swap_optimizer``/``swap_optimizer_times``/``chunk_mb``/``slots``/``resident_mb`` are
-    :class:`swapopt.SwapConfig`'s knobs.
+    The swap knobs (``swap_optimizer``, ``swap_optimizer_times``, ``chunk_mb``, ``slots``,
+    ``resident_mb``, ``atomic_split``) are inherited from :class:`swapopt.SwapConfig`.
     """
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
     type: str = "AdamW"
     lr: float = Field(default=1e-3, ge=0)
@@ -78,11 +80,6 @@ class AdamWConfig(_Strict):
     weight_decay: float = Field(default=0.1, ge=0)
     foreach: Optional[bool] = None
     fused: Optional[bool] = None
-    swap_optimizer: bool = False
-    swap_optimizer_times: int = Field(default=16, ge=1)
-    chunk_mb: Optional[float] = Field(default=None, ge=0)
-    slots: int = Field(default=3, ge=1)
-    resident_mb: float = Field(default=0.0, ge=0)
 
     @field_validator("type")
     @classmethod
@@ -92,9 +89,6 @@ class AdamWConfig(_Strict):
             raise ValueError(f"unknown optimizer {value!r}: expected a torch.optim class name such as 'AdamW'")
         return value
 
-    def swap_config(self) -> SwapConfig:
-        return SwapConfig(**self.model_dump(include=set(SwapConfig.model_fields)))
-
     def build(self, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
         """The torch optimizer over ``params``, wrapped by ``SwapConfig.wrap`` (unchanged when swapping is off).
 
@@ -102,11 +96,11 @@ class AdamWConfig(_Strict):
         """
         klass = getattr(torch.optim, self.type)
         accepted = inspect.signature(klass.__init__).parameters
-        kwargs = {k: v for k, v in self.model_dump(exclude={"type"}).items()
+        kwargs = {k: v for k, v in self.model_dump(exclude={"type", *SwapConfig.model_fields}).items()
                   if k in accepted and not (v is None and k in ("foreach", "fused"))}
         optimizer = klass(params, **kwargs)
         try:
-            return self.swap_config().wrap(optimizer)
+            return self.wrap(optimizer)
         except (TypeError, ValueError, NotImplementedError) as err:
             raise ConfigError(f"optim.type: swap_optimizer=True cannot wrap {self.type}: {err}") from err
 

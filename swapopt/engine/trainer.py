@@ -97,10 +97,22 @@ class TrainEngine:
             self.load_checkpoint(tcfg.resume)
 
     # -- one step --------------------------------------------------------------------------------------
-    def _sync(self) -> None:
-        # Timing needs the queued work done; this also ends the overlap of the last swap-out with the next
-        # forward, so the reported step time is an upper bound.
-        self.device_module.synchronize()
+    def _mark(self) -> Any:
+        """A point on the compute stream: a timing event on accelerators and the simulator (modeled time
+        there), the wall clock on plain CPU. Events keep the device free-running: no synchronize, so the
+        last swap-out still overlaps the next forward."""
+        if self.device_type == "cpu":
+            return time.perf_counter()
+        event = self.device_module.Event(enable_timing=True)
+        event.record()
+        return event
+
+    @staticmethod
+    def _ms(start: Any, end: Any) -> float:
+        if isinstance(start, float):
+            return (end - start) * 1e3
+        end.synchronize()
+        return start.elapsed_time(end)
 
     def _reset_peak_memory(self) -> None:
         reset = getattr(self.device_module, "reset_peak_memory_stats", None)  # torch.cpu has none
@@ -119,7 +131,7 @@ class TrainEngine:
         inputs, targets = (t.to(self.torch_device) for t in self.data.get(self.step))
         self._reset_peak_memory()
 
-        start = time.perf_counter()
+        start = self._mark()
         logits = logits_of(self.model(inputs))
         loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
         loss.backward()
@@ -128,19 +140,17 @@ class TrainEngine:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), tcfg.grad_clip)
             if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor
                 grad_norm = grad_norm.full_tensor()
-        self._sync()
-        optim_start = time.perf_counter()
+        optim_start = self._mark()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self._sync()
-        end = time.perf_counter()
+        end = self._mark()
         self.step += 1
 
         loss = loss.detach()
         if self.world_size > 1:
             dist.all_reduce(loss)
             loss = loss / self.world_size
-        step_s = end - start
+        step_s = self._ms(start, end) / 1e3
         metrics: dict[str, Any] = {
             "step": self.step,
             "loss": loss.item(),
@@ -148,7 +158,7 @@ class TrainEngine:
             "grad_norm": None if grad_norm is None else grad_norm.item(),
             "tokens_per_s": self.world_size * tcfg.batch * tcfg.seq_len / step_s,
             "step_ms": step_s * 1e3,
-            "optim_ms": (end - optim_start) * 1e3,
+            "optim_ms": self._ms(optim_start, end),
             "mem_peak_bytes": self._peak_memory(),
         }
         if self.swapping:
