@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, StrictBool
+from pydantic import BaseModel, ConfigDict, Field
 
 
 class SwapConfig(BaseModel):
@@ -15,8 +15,6 @@ class SwapConfig(BaseModel):
     ``chunk_mb``: byte budget per chunk (MiB); overrides ``swap_optimizer_times`` when set.
     ``slots``: staging buffers on the device (3: one filling, one computing, one draining).
     ``resident_mb``: states that fit this budget (MiB) stay on the device and are stepped first.
-    ``atomic_split``: a failing step also leaves params split across chunks untouched (they pay a spare
-    host copy of their states and a host backup of the param); False keeps them partially stepped.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -26,7 +24,6 @@ class SwapConfig(BaseModel):
     chunk_mb: Optional[float] = Field(default=None, gt=0)
     slots: int = Field(default=3, ge=1)
     resident_mb: float = Field(default=0.0, ge=0)
-    atomic_split: StrictBool = True
 
     def wrap(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Return ``optimizer`` wrapped in a SwapOptimizer, or unchanged when swapping is off."""
@@ -42,5 +39,4 @@ class SwapConfig(BaseModel):
             chunk_mb=self.chunk_mb,
             slots=self.slots,
             resident_mb=self.resident_mb,
-            atomic_split=self.atomic_split,
         )

@@ -8,8 +8,8 @@ running step and the events that order everything:
     D2H stream                                 wait(update[k]) -> copy out[k] -> event (= slot free)
 
 Chunk k uses slot k % S. Its swap-in waits for the D2H that last read the slot, the update waits for
-the swap-in, the swap-out waits for the update. A chunk may also back up what its update overwrites
-(pieces of params split across chunks): a D2H copy, after the step's entry, that the update waits for.
+the swap-in, the swap-out waits for the update. A failing step drains all three streams (drain);
+what the host then runs synchronously on the compute stream is ordered after everything they did.
 Nothing here knows about optimizers.
 """
 
@@ -44,7 +44,6 @@ class SwapOptimizerOperate:
         self.h2d_events: list[Any] = []
         self.update_events: list[Any] = []
         self.d2h_events: list[Any] = []
-        self.backup_events: list[Any] = []
         self._last_d2h: Any = None
         self._start: Any = None
         self._end: Any = None
@@ -72,6 +71,11 @@ class SwapOptimizerOperate:
         return self._h2d
 
     @property
+    def compute_stream(self) -> Any:
+        """The stream the running (or last) step's updates were issued on."""
+        return self._compute if self._compute is not None else self.mod.current_stream()
+
+    @property
     def d2h_stream(self) -> Any:
         if self._d2h is None:
             self._d2h = self.mod.Stream()
@@ -94,7 +98,6 @@ class SwapOptimizerOperate:
         self.h2d_events = [None] * n_chunks
         self.update_events = [None] * n_chunks
         self.d2h_events = [None] * n_chunks
-        self.backup_events = [None] * n_chunks
         self._start = mod.Event(enable_timing=True)
         self._start.record(self._compute)
         h2d = self.h2d_stream
@@ -119,29 +122,13 @@ class SwapOptimizerOperate:
                     dst.copy_(src, non_blocking=True)
             self.h2d_events[k] = h2d.record_event()
 
-    def backup(self, k: int, copies: Copies) -> None:
-        """Copy device -> host, on the D2H stream, what chunk k's update will overwrite; the update waits
-        for it. The copies follow the step's entry, so they read the values the step starts from."""
-        if not copies:
-            return
-        d2h = self.d2h_stream
-        with torch.profiler.record_function(f"swapopt.backup[{k}]"):
-            if not any(e is not None for e in self.backup_events):  # first backup of the step
-                d2h.wait_event(self._start)
-            with self.mod.stream(d2h):
-                for dst, src in copies:
-                    dst.copy_(src, non_blocking=True)
-            self.backup_events[k] = self._last_d2h = d2h.record_event()
-
     def begin_update(self, k: int) -> None:
-        """Order the compute stream after chunk k's swap-in (or its slot's last D2H) and backup, and drop
+        """Order the compute stream after chunk k's swap-in (or its slot's last D2H), and drop
         the device tensors that D2H read: reusing their memory on the compute stream is now safe."""
         s = k % self.nslots
         ready = self.h2d_events[k] if self.h2d_events[k] is not None else self._slot_free[s]
         if ready is not None:
             self._compute.wait_event(ready)
-        if self.backup_events[k] is not None:
-            self._compute.wait_event(self.backup_events[k])
         if self._held[s]:
             self._held_bytes -= sum(t.nbytes for t in self._held[s])
             self._held[s] = []

@@ -4,10 +4,9 @@ step() streams the states through the device in chunks (see swapopt.operate for 
 choreography, swapopt.plan for the chunking) and runs the wrapped optimizer's own step on each chunk,
 so the update is bitwise the one the unwrapped optimizer computes.
 
-A failing step leaves each param fully stepped or untouched. Params split across chunks need more for
-that (atomic_split): their swap-outs write spare host states that become current only once the last
-piece is queued, and each piece of the param is backed up to host memory before its update, restored
-on failure. Params that fit one chunk pay nothing.
+A failing step leaves each param fully stepped or untouched (see _swap_step's failure path): a param
+split across chunks whose update began before the failing chunk is completed by rolling it forward
+through a synchronous recovery path, so the normal path keeps no backups.
 """
 
 from __future__ import annotations
@@ -31,8 +30,7 @@ MiB = 1 << 20
 _SLOT_ALIGN = 64  # bytes; every slot region starts on a cache line (and a 16-byte vector boundary)
 
 class SwapStats(BaseModel):
-    """Counters of the last step (``steps`` counts all swapped steps); ``d2h_bytes`` includes the param
-    backups of split params."""
+    """Counters of the last step (``steps`` counts all swapped steps)."""
 
     h2d_bytes: int = 0
     d2h_bytes: int = 0
@@ -118,11 +116,6 @@ class _Region:
     shape: tuple[int, ...] | None  # None: a flat piece; else the whole state's local shape
     host: torch.Tensor  # host-local view the region mirrors (the swap-in reads it)
     layout: torch.Tensor | None  # DTensor whose layout wraps the slot view (non-flat DTensor states)
-    spare: torch.Tensor | None = None  # split params: the spare host view the swap-out writes instead
-
-    @property
-    def out(self) -> torch.Tensor:
-        return self.host if self.spare is None else self.spare
 
 
 @dataclass(eq=False)
@@ -138,8 +131,6 @@ class _Prepared:
     slot_bytes: int
     resident: list[torch.Tensor]
     last_chunk: dict[torch.Tensor, int] = field(default_factory=dict)
-    split: frozenset[int] = frozenset()  # indices of params split across chunks, stepped atomically
-    spare_regions: dict[torch.Tensor, list[_Region]] = field(default_factory=dict)
 
 
 class SwapOptimizer(torch.optim.Optimizer):
@@ -147,10 +138,8 @@ class SwapOptimizer(torch.optim.Optimizer):
 
     ``swap_optimizer_times``: chunks per step; ``chunk_mb``: fixed chunk budget (MiB), overrides it;
     ``slots``: staging buffers (3 lets swap-in, update and swap-out overlap); ``resident_mb``: states
-    that fit stay on the device and are stepped first; ``atomic_split``: a failing step leaves params
-    split across chunks untouched too, at the cost of a spare host copy of their states and a host
-    backup of the param (False: their earlier pieces stay stepped, an ERROR is logged). param_groups,
-    state and defaults are the wrapped optimizer's own objects.
+    that fit stay on the device and are stepped first. param_groups, state and defaults are the
+    wrapped optimizer's own objects.
     """
 
     def __init__(
@@ -161,7 +150,6 @@ class SwapOptimizer(torch.optim.Optimizer):
         chunk_mb: float | None = None,
         slots: int = 3,
         resident_mb: float = 0.0,
-        atomic_split: bool = True,
     ) -> None:
         _refuse(optimizer)
         if not isinstance(swap_optimizer_times, int) or swap_optimizer_times < 1:
@@ -172,13 +160,10 @@ class SwapOptimizer(torch.optim.Optimizer):
             raise ValueError(f"chunk_mb must be a positive number of MiB or None, got {chunk_mb!r}")
         if not (resident_mb >= 0 and math.isfinite(resident_mb)):
             raise ValueError(f"resident_mb must be a non-negative number of MiB, got {resident_mb!r}")
-        if not isinstance(atomic_split, bool):
-            raise ValueError(f"atomic_split must be a bool, got {atomic_split!r}")
         self.optimizer = optimizer
         self.swap_optimizer_times = swap_optimizer_times
         self.chunk_mb = chunk_mb
         self.resident_mb = float(resident_mb)
-        self.atomic_split = atomic_split
         self._ready = False
         # Optimizer.__init__ sets up hooks and the step wrapper; it gets copies of the groups, then the
         # wrapper takes the inner optimizer's own objects so schedulers, clipping and DCP see one truth.
@@ -192,10 +177,6 @@ class SwapOptimizer(torch.optim.Optimizer):
         self._host: dict[torch.Tensor, _Host] = {}
         self._prepared: _Prepared | None = None
         self._resident: set[torch.Tensor] = set()  # params whose states live on the device (resident_mb)
-        # Split params (atomic_split): per swapped state a spare pinned tensor the swap-out writes, and a
-        # pinned flat backup of the param; allocated once, kept while the param is split.
-        self._spare: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
-        self._backup: dict[torch.Tensor, torch.Tensor] = {}
         self._probe_cache: dict[tuple, int] = {}
         self._version = 0  # bumped whenever cached host layouts change
         self._stats = SwapStats()
@@ -222,8 +203,7 @@ class SwapOptimizer(torch.optim.Optimizer):
     def __repr__(self) -> str:
         return (
             f"SwapOptimizer({self.optimizer!r}, swap_optimizer_times={self.swap_optimizer_times}, "
-            f"chunk_mb={self.chunk_mb}, slots={self.operate.slots}, resident_mb={self.resident_mb}, "
-            f"atomic_split={self.atomic_split})"
+            f"chunk_mb={self.chunk_mb}, slots={self.operate.slots}, resident_mb={self.resident_mb})"
         )
 
     def __getstate__(self) -> dict[str, Any]:
@@ -340,7 +320,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         op.begin(n, prep.slot_bytes, device.torch_device(self._device))
         pending: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
         views: list[list[dict[str, tuple]] | None] = [None] * n
-        backed: list[tuple[int, torch.Tensor, int, int]] = []  # (chunk, param, start, stop) backed up
+        progress: dict[str, int] = {}  # "entered": the last chunk the inner optimizer was entered for
         h2d = d2h = 0
         k = 0
         try:
@@ -348,23 +328,32 @@ class SwapOptimizer(torch.optim.Optimizer):
             for j in range(min(lookahead, n)):
                 views[j], b = self._swap_in(prep, j)
                 h2d += b
-                d2h += self._backup_pieces(prep, j, backed)
             if prep.resident:  # runs while the first swap-ins are in flight
                 self._update_resident(prep, kwargs)
             for k in range(n):
                 if k + lookahead < n:
                     views[k + lookahead], b = self._swap_in(prep, k + lookahead)
                     h2d += b
-                    d2h += self._backup_pieces(prep, k + lookahead, backed)
-                d2h += self._update_and_swap_out(prep, k, views[k], pending, kwargs)
+                d2h += self._update_and_swap_out(prep, k, views[k], pending, kwargs, progress)
                 views[k] = None
         except BaseException:
+            # Chunks before k are stepped and their swap-outs queued; chunk k's swap-out was not (unless
+            # queuing it is what raised), so its host states are the old ones, and scalar states are only
+            # ever written for a param's last piece. Drain every stream, then complete the param split
+            # across the boundary into chunk k (if any) and drop the states created for params that were
+            # not completed. Params only in chunk k or later keep their old host and scalar states. Their
+            # values are old too unless the exception came from inside (or after) the inner optimizer's
+            # update of chunk k: it updates params in place and may have written some before raising
+            # (AdamW's weight decay comes first, say); nothing here can tell, and restoring them would
+            # need a copy of every param piece each step, the cost this path exists to avoid.
+            views.clear()
             op.drain()
-            pending.clear()  # states created this step are published only with their param's last piece
-            if prep.split:
-                self._restore_split(prep, k, backed)
-            else:
-                self._report_partial(prep, k)
+            try:
+                self._roll_forward(prep, k, progress.get("entered") == k, pending, kwargs)
+            except Exception:  # noqa: BLE001 - never mask the original exception
+                logger.exception("swapopt: completing split params after a failed step raised")
+            pending.clear()
+            op.release_staging()
             raise
         op.finish(prep.last_chunk)
         st = self._stats
@@ -465,24 +454,11 @@ class SwapOptimizer(torch.optim.Optimizer):
         for i in range(len(params)):  # a param that left the resident set goes back to the host
             if i not in plan.resident and params[i] not in self._host and self.state.get(params[i]):
                 self._cache_host(params[i], quiet=True)
-        first_chunk: dict[int, int] = {}
-        for k, chunk in enumerate(plan.chunks):
-            for piece in chunk.pieces:
-                first_chunk.setdefault(piece.index, k)
-        split = frozenset(i for i, k in first_chunk.items() if self.atomic_split and plan.last_chunk[i] != k)
-        self._split_buffers(params, split)
-        regions = [self._regions(chunk.pieces, params, flat, split) for chunk in plan.chunks]
-        spare_regions: dict[torch.Tensor, list[_Region]] = defaultdict(list)
-        for chunk, rs in zip(plan.chunks, regions):
-            for r in rs:
-                if r.spare is not None:
-                    spare_regions[params[chunk.pieces[r.piece].index]].append(r)
+        regions = [self._regions(chunk.pieces, params, flat) for chunk in plan.chunks]
         slot_bytes = max((r[-1].offset + r[-1].nbytes for r in regions if r), default=0)
         last_chunk = {params[i]: k for i, k in plan.last_chunk.items()}
         key = (tuple(map(id, params)), tuple(groups), self._version)
-        self._prepared = _Prepared(
-            key, params, groups, flat, plan, regions, slot_bytes, resident, last_chunk, split, dict(spare_regions)
-        )
+        self._prepared = _Prepared(key, params, groups, flat, plan, regions, slot_bytes, resident, last_chunk)
         logger.debug(
             "swapopt plan: {} params, {} chunks, budget {:.2f} MiB, slot {:.2f} MiB, {} resident",
             len(params), len(plan.chunks), plan.budget / MiB, slot_bytes / MiB, len(resident),
@@ -507,7 +483,7 @@ class SwapOptimizer(torch.optim.Optimizer):
             self._probe_cache[key] = probed
         return loc.numel() * self._probe_cache[key]
 
-    def _regions(self, pieces, params: list[torch.Tensor], flat: list[bool], split: frozenset[int]) -> list[_Region]:
+    def _regions(self, pieces, params: list[torch.Tensor], flat: list[bool]) -> list[_Region]:
         """Slot layout of one chunk: one region per (piece, host state), in piece order."""
         regions: list[_Region] = []
         offset = 0
@@ -517,46 +493,17 @@ class SwapOptimizer(torch.optim.Optimizer):
             if entry is None:
                 continue
             for key, stored, loc in zip(entry.keys, entry.stored, entry.locals):
-                spare = None
                 if flat[piece.index]:
                     host = loc.view(-1)[piece.start : piece.stop]
                     shape, layout = None, None
-                    if piece.index in split:
-                        spare = local(self._spare[p][key]).view(-1)[piece.start : piece.stop]
                 else:
                     host = loc
                     shape = tuple(loc.shape)
                     layout = stored if hoststate.is_dtensor(stored) else None
                 nbytes = host.numel() * host.element_size()
-                regions.append(_Region(pos, key, offset, nbytes, host.dtype, shape, host, layout, spare))
+                regions.append(_Region(pos, key, offset, nbytes, host.dtype, shape, host, layout))
                 offset += -(-nbytes // _SLOT_ALIGN) * _SLOT_ALIGN
         return regions
-
-    def _split_buffers(self, params: list[torch.Tensor], split: frozenset[int]) -> None:
-        """Spare host states and a param backup for every split param: allocated on first need, reused
-        while the param stays split, dropped when a new plan no longer splits it."""
-        keep = {params[i] for i in split}
-        stale = [p for p in params if p not in keep and (p in self._spare or p in self._backup)]
-        if stale:
-            self.operate.wait_for_swap_out()  # the last step's copies may still use them
-        for p in stale:
-            self._spare.pop(p, None)
-            self._backup.pop(p, None)
-        for p in keep:
-            loc = local(p)
-            backup = self._backup.get(p)
-            if backup is None or backup.numel() != loc.numel() or backup.dtype != loc.dtype:
-                self._backup[p] = device.pinned_empty((loc.numel(),), dtype=loc.dtype)
-            entry = self._host.get(p)
-            if entry is None:  # no states yet: this step creates them in fresh host tensors
-                continue
-            spares = self._spare.setdefault(p, {})
-            for key in set(spares) - set(entry.keys):
-                del spares[key]
-            for key, stored, cur in zip(entry.keys, entry.stored, entry.locals):
-                spare = spares.get(key)
-                if spare is None or local(spare).shape != cur.shape or local(spare).dtype != cur.dtype:
-                    spares[key] = wrap_like(stored, device.pinned_empty(tuple(cur.shape), dtype=cur.dtype))
 
     # ----- pipeline stages ---------------------------------------------------------------------
     def _swap_in(self, prep: _Prepared, k: int) -> tuple[list[dict[str, tuple]], int]:
@@ -570,25 +517,10 @@ class SwapOptimizer(torch.optim.Optimizer):
             v = slot[r.offset : r.offset + r.nbytes].view(r.dtype)
             if r.shape is not None:
                 v = v.view(r.shape)
-            views[r.piece][r.key] = (wrap_like(r.layout, v) if r.layout is not None else v, v, r.out)
+            views[r.piece][r.key] = (wrap_like(r.layout, v) if r.layout is not None else v, v, r.host)
             copies.append((v, r.host))
         self.operate.swap_in(k, copies)
         return views, sum(r.nbytes for r in prep.regions[k])
-
-    def _backup_pieces(self, prep: _Prepared, k: int, backed: list) -> int:
-        """Queue the backup of chunk k's pieces of split params (their values before this step), which
-        a failure restores. Returns D2H bytes."""
-        if not prep.split:
-            return 0
-        copies, pieces = [], []
-        for piece in prep.plan.chunks[k].pieces:
-            if piece.index in prep.split:
-                p, span = prep.params[piece.index], slice(piece.start, piece.stop)
-                copies.append((self._backup[p][span], local(p).detach().view(-1)[span]))
-                pieces.append((k, p, piece.start, piece.stop))
-        self.operate.backup(k, copies)
-        backed.extend(pieces)  # only once queued: a restore reads complete backups
-        return sum(src.numel() * src.element_size() for _, src in copies)
 
     def _run_inner(self, chunk_groups: dict[int, list[torch.Tensor]], chunk_state: Any, kwargs: dict) -> None:
         """One inner step over the given params and state; the shared groups and state are restored after."""
@@ -610,10 +542,65 @@ class SwapOptimizer(torch.optim.Optimizer):
                 chunk_state[p] = self.state[p]  # the real dict: resident states are updated where they live
             self._run_inner(chunk_groups, chunk_state, kwargs)
 
+    def _piece_input(self, prep: _Prepared, piece, views: dict[str, tuple]) -> tuple[torch.Tensor, dict[str, Any]]:
+        """The tensor the inner optimizer steps for one piece and its state dict: swapped states are the
+        device views in ``views``, scalar states are clones (written back once the whole param is done)."""
+        p = prep.params[piece.index]
+        if prep.flat[piece.index]:  # a leaf view of the flat range, its grad the matching view
+            t = local(p).detach().view(-1)[piece.start : piece.stop]
+            t.grad = local(p.grad).reshape(-1)[piece.start : piece.stop]  # a view unless the grad is strided
+        else:
+            t = p
+        pst: dict[str, Any] = {}
+        for key, value in (self.state.get(p) or {}).items():
+            if key in views:
+                pst[key] = views[key][0]
+            elif isinstance(value, torch.Tensor):
+                pst[key] = value.clone()
+            else:
+                pst[key] = value
+        return t, pst
+
+    def _piece_output(
+        self, prep: _Prepared, piece, t: torch.Tensor, pst: dict[str, Any], views: dict[str, tuple], pending: dict
+    ) -> tuple[list, list, dict[str, Any] | None]:
+        """After the inner step of one piece: its (host, device) swap-out copies, the device states it
+        created (to keep alive until copied), and its scalar states when it is the param's last piece."""
+        p = prep.params[piece.index]
+        flat = prep.flat[piece.index]
+        copies, hold, scalars = [], [], {}
+        for key, value in pst.items():
+            if key in views:
+                _, slot_view, host = views[key]
+                new = local(value)
+                if new.data_ptr() != slot_view.data_ptr():
+                    slot_view.copy_(new)  # the optimizer replaced the tensor instead of updating it
+                copies.append((host, slot_view))
+            elif is_swapped_state(t, key, value):  # created by the optimizer this step
+                src = local(value)
+                host = local(self._pending_host(pending, p, key, value, flat))
+                copies.append((host.view(-1)[piece.start : piece.stop] if flat else host, src))
+                hold.append(src)
+            else:
+                scalars[key] = value
+        last = not flat or piece.stop == local(p).numel()
+        return copies, hold, (scalars if last else None)
+
+    def _publish(self, p: torch.Tensor, scalars: dict[str, Any], pending: dict) -> None:
+        """p is fully stepped: its scalar states and the host states created this step become its state."""
+        st = self.state[p]
+        st.update(scalars)
+        created = pending.pop(p, None)
+        if created:
+            st.update(created)
+            self._host.pop(p, None)
+            self._version += 1
+
     def _update_and_swap_out(
-        self, prep: _Prepared, k: int, views: list[dict[str, tuple]], pending: dict, kwargs: dict
+        self, prep: _Prepared, k: int, views: list[dict[str, tuple]], pending: dict, kwargs: dict, progress: dict
     ) -> int:
-        """Run the inner optimizer on chunk k's pieces, then queue their swap-out. Returns D2H bytes."""
+        """Run the inner optimizer on chunk k's pieces, then queue their swap-out. Returns D2H bytes.
+        ``progress["entered"]`` is set to k once the inner optimizer may have written chunk k's params."""
         op = self.operate
         chunk = prep.plan.chunks[k]
         op.begin_update(k)
@@ -622,60 +609,106 @@ class SwapOptimizer(torch.optim.Optimizer):
         targets: list[torch.Tensor] = []
         with torch.profiler.record_function(f"swapopt.update[{k}]"):
             for pos, piece in enumerate(chunk.pieces):
-                p = prep.params[piece.index]
-                if prep.flat[piece.index]:  # a leaf view of the flat range, its grad the matching view
-                    t = local(p).detach().view(-1)[piece.start : piece.stop]
-                    t.grad = local(p.grad).reshape(-1)[piece.start : piece.stop]  # a view unless the grad is strided
-                else:
-                    t = p
-                pst: dict[str, Any] = {}
-                for key, value in (self.state.get(p) or {}).items():
-                    if key in views[pos]:
-                        pst[key] = views[pos][key][0]
-                    elif isinstance(value, torch.Tensor):
-                        pst[key] = value.clone()  # scalar states: written back once the whole param is done
-                    else:
-                        pst[key] = value
-                chunk_state[t] = pst
+                t, chunk_state[t] = self._piece_input(prep, piece, views[pos])
                 chunk_groups[prep.groups[piece.index]].append(t)
                 targets.append(t)
+            progress["entered"] = k
             self._run_inner(chunk_groups, chunk_state, kwargs)
             copies, hold, finals = [], [], []
-            nbytes = 0
             for pos, piece in enumerate(chunk.pieces):
-                p, t = prep.params[piece.index], targets[pos]
-                flat = prep.flat[piece.index]
-                scalars = {}
-                for key, value in chunk_state[t].items():
-                    if key in views[pos]:
-                        _, slot_view, host = views[pos][key]
-                        new = local(value)
-                        if new.data_ptr() != slot_view.data_ptr():
-                            slot_view.copy_(new)  # the optimizer replaced the tensor instead of updating it
-                        copies.append((host, slot_view))
-                    elif is_swapped_state(t, key, value):  # created by the optimizer this step
-                        src = local(value)
-                        host = local(self._pending_host(pending, p, key, value, flat))
-                        copies.append((host.view(-1)[piece.start : piece.stop] if flat else host, src))
-                        hold.append(src)
-                    else:
-                        scalars[key] = value
-                if not flat or piece.stop == local(p).numel():
-                    finals.append((p, scalars))
+                t = targets[pos]
+                c, h, scalars = self._piece_output(prep, piece, t, chunk_state[t], views[pos], pending)
+                copies += c
+                hold += h
+                if scalars is not None:
+                    finals.append((prep.params[piece.index], scalars))
             nbytes = sum(src.numel() * src.element_size() for _, src in copies)
             op.end_update(k)
         op.swap_out(k, copies, hold)
         for p, scalars in finals:  # the param is fully stepped: publish its scalars and new host states
-            st = self.state[p]
-            st.update(scalars)
-            if p in prep.spare_regions:
-                self._flip(prep, p)
-            created = pending.pop(p, None)
-            if created:
-                st.update(created)
-                self._host.pop(p, None)
-                self._version += 1
+            self._publish(p, scalars, pending)
         return nbytes
+
+    # ----- failure path ------------------------------------------------------------------------
+    def _name(self, prep: _Prepared, i: int) -> str:
+        p = prep.params[i]
+        gi = prep.groups[i]
+        j = next(j for j, q in enumerate(self.param_groups[gi]["params"]) if q is p)
+        return f"param_groups[{gi}]['params'][{j}] of shape {tuple(p.shape)}"
+
+    def _roll_forward(self, prep: _Prepared, failed: int, entered: bool, pending: dict, kwargs: dict) -> None:
+        """After a failure in chunk ``failed`` (streams drained): complete every param whose update began
+        in an earlier chunk but whose last piece was not stepped, one piece at a time, synchronously.
+
+        Chunk ``failed``'s own pieces are redone only when the inner optimizer had not been entered for
+        that chunk (``entered`` False): then nothing of the chunk was written (the swap-out was never
+        queued and scalar states are clones). Otherwise the inner optimizer may have updated part of the
+        param in place before raising (AdamW's weight decay, say) and a redo could apply that part twice,
+        so the param is left as it is: pieces before the chunk stepped, the rest with its old host
+        states, its scalar states old; an ERROR names it.
+        """
+        plan = prep.plan
+        begun = {pc.index for c in plan.chunks[:failed] for pc in c.pieces}
+        rolled = 0
+        for i in sorted(i for i in begun if plan.last_chunk[i] >= failed):
+            p = prep.params[i]
+            pieces = [
+                (j, pos) for j in range(failed, len(plan.chunks)) for pos, pc in enumerate(plan.chunks[j].pieces)
+                if pc.index == i
+            ]  # fmt: skip
+            cut = plan.chunks[pieces[0][0]].pieces[pieces[0][1]].start  # elements [0, cut) are stepped
+            if entered and pieces[0][0] == failed:
+                stop = plan.chunks[failed].pieces[pieces[0][1]].stop
+                pending.pop(p, None)
+                logger.error(
+                    "swapopt: step failed inside the update of chunk {}; {} was split across it and is left "
+                    "partially stepped: elements [0, {}) were stepped, the rest keep their old states (elements "
+                    "[{}, {}) were in the failed update and may be partially updated in place); step count old{}",
+                    failed, self._name(prep, i), cut, cut, stop,
+                    "; the states this step created for it are dropped" if p not in self._host else "",
+                )  # fmt: skip
+                continue
+            try:
+                scalars = None
+                for j, pos in pieces:
+                    cut = plan.chunks[j].pieces[pos].start
+                    scalars = self._recover_piece(prep, j, pos, pending, kwargs)
+                self._publish(p, scalars or {}, pending)
+                rolled += 1
+            except Exception as exc:  # noqa: BLE001 - the original exception is the one to raise
+                created = pending.pop(p, None)
+                logger.error(
+                    "swapopt: step failed in chunk {}; completing {} failed too ({!r}): elements [0, {}) were "
+                    "stepped, the rest keep their old states (the piece from element {} on may be partially "
+                    "updated in place); step count old{}",
+                    failed, self._name(prep, i), exc, cut, cut,
+                    "; the states this step created for it are dropped" if created else "",
+                )  # fmt: skip
+        if rolled:
+            logger.debug("swapopt: step failed in chunk {}; rolled {} split params forward", failed, rolled)
+
+    def _recover_piece(self, prep: _Prepared, j: int, pos: int, pending: dict, kwargs: dict) -> dict[str, Any] | None:
+        """Step piece ``pos`` of chunk ``j`` on its own, as the pipeline does, in fresh device buffers on the
+        compute stream; every copy is synchronous, so the host has seen all of it on return. Returns the
+        piece's scalar states when it is its param's last piece."""
+        op = self.operate
+        piece = prep.plan.chunks[j].pieces[pos]
+        dev = device.torch_device(self._device)
+        with op.mod.stream(op.compute_stream), torch.profiler.record_function(f"swapopt.recover[{j}]"):
+            views: dict[str, tuple] = {}
+            for r in prep.regions[j]:
+                if r.piece == pos:
+                    buf = torch.empty(r.host.shape, dtype=r.dtype, device=dev)
+                    buf.copy_(r.host)
+                    views[r.key] = (wrap_like(r.layout, buf) if r.layout is not None else buf, buf, r.host)
+            t, pst = self._piece_input(prep, piece, views)
+            chunk_state: defaultdict = defaultdict(dict)
+            chunk_state[t] = pst
+            self._run_inner({prep.groups[piece.index]: [t]}, chunk_state, kwargs)
+            copies, _, scalars = self._piece_output(prep, piece, t, chunk_state[t], views, pending)
+            for dst, src in copies:
+                dst.copy_(src)  # the host waits: the buffers are freed on return
+        return scalars
 
     def _pending_host(self, pending: dict, p: torch.Tensor, key: str, value: torch.Tensor, flat: bool) -> torch.Tensor:
         """Host tensor for a state the optimizer created this step: allocated once, reused every step."""
@@ -692,41 +725,3 @@ class SwapOptimizer(torch.optim.Optimizer):
             else:
                 states[key] = wrap_like(value, device.pinned_empty(tuple(src.shape), dtype=src.dtype))
         return states[key]
-
-    def _flip(self, prep: _Prepared, p: torch.Tensor) -> None:
-        """Split param p's swap-outs are all queued: the spare host states it wrote become its states,
-        and its old states the spare the next step writes (after this step's swap-ins read them: the
-        next step's updates, which its swap-outs wait for, follow this step's swap-ins on the H2D stream)."""
-        entry, spares, st = self._host[p], self._spare[p], self.state[p]
-        stored = []
-        for key, cur in zip(entry.keys, entry.stored):
-            st[key], spares[key] = spares[key], cur
-            stored.append(st[key])
-        self._host[p] = _Host(entry.keys, tuple(stored), tuple(map(local, stored)), entry.nkeys, entry.nbytes)
-        for r in prep.spare_regions[p]:
-            r.host, r.spare = r.spare, r.host
-
-    def _restore_split(self, prep: _Prepared, failed: int, backed: list) -> None:
-        """After a failure in chunk ``failed`` (host drained): split params not fully stepped get their
-        backed-up pieces back, the failed chunk's included; their host states were never flipped."""
-        done = {prep.params[i] for i in prep.split if prep.plan.last_chunk[i] < failed}
-        restored = set()
-        for k, p, start, stop in backed:
-            if k <= failed and p not in done:
-                local(p).detach().view(-1)[start:stop].copy_(self._backup[p][start:stop], non_blocking=True)
-                restored.add(p)
-        if restored:
-            logger.debug("swapopt: step failed in chunk {}; restored {} split params", failed, len(restored))
-
-    def _report_partial(self, prep: _Prepared, failed: int) -> None:
-        """After a failure in chunk ``failed`` (atomic_split off): a param split across that chunk boundary
-        has its earlier pieces stepped and its later ones not; its scalar states (step) stay at the old values."""
-        if failed < len(prep.plan.chunks):
-            first = prep.plan.chunks[failed].pieces[0]
-            if first.start > 0:
-                p = prep.params[first.index]
-                logger.error(
-                    "swapopt: step failed in chunk {}; param of shape {} was split across it: elements [0, {}) "
-                    "were stepped, the rest were not",
-                    failed, tuple(p.shape), first.start,
-                )  # fmt: skip

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import torch
+import torch.distributed as dist
 from loguru import logger
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -186,8 +187,15 @@ def _setup_logging() -> int:
 def main(argv: list[str] | None = None) -> int:
     handler = _setup_logging()
     try:
-        return _main(parse_args(argv))
+        rc = _main(parse_args(argv))
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()  # no rank tears the group down while a peer still talks to it
+        return rc
     finally:
+        if dist.is_available() and dist.is_initialized():
+            # A process group left to the interpreter's shutdown can abort the process
+            # ("terminate called without an active exception").
+            dist.destroy_process_group()
         logger.remove(handler)
         logger.disable("swapopt")
         logger.disable("device")

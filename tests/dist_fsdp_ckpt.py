@@ -8,6 +8,8 @@ Usage: dist_fsdp_ckpt.py JOB [JOB ...], a JOB being e.g. ``load=DIR,start=3,step
 
 from __future__ import annotations
 
+import gc
+
 import sys
 
 import torch
@@ -70,6 +72,7 @@ def check_swapped(opt: SwapOptimizer, steps: int) -> None:
 
 def load_optimizer(model, opt, osd: dict, options: StateDictOptions | None = None) -> None:
     mod = device.get_torch_device_module()
+    gc.collect()  # cyclic garbage from earlier work must not be freed mid-measurement
     before = mod.memory_allocated()
     mod.reset_peak_memory_stats()
     set_optimizer_state_dict(model, opt, osd, options=options)

@@ -1,10 +1,9 @@
-"""An exception inside step() leaves every param either fully stepped or untouched, and the optimizer usable,
-params split across chunks included (atomic_split)."""
+"""An exception inside step() leaves every param either fully stepped or untouched, and the optimizer usable;
+a param split across chunks whose update began before the failing chunk is rolled forward (completed)."""
 
 from __future__ import annotations
 
 import pytest
-import pydantic
 import torch
 from loguru import logger
 
@@ -142,16 +141,51 @@ def _split_indices(opt):
     return {i for i in range(len(SPLIT_SIZES)) if sum(pc.index == i for c in chunks for pc in c.pieces) > 1}
 
 
+def _begun(plan, k):
+    """Params with a piece in a chunk before k."""
+    return {pc.index for c in plan.chunks[:k] for pc in c.pieces}
+
+
+class _Injector:
+    """Raise ``Boom`` once, when chunk ``k``'s update is about to begin (before the inner optimizer runs);
+    with ``keep``, every inner optimizer call from then on raises ``RecoveryBoom`` until ``stop()``."""
+
+    def __init__(self, opt, k, keep=False):
+        self.opt, self.k, self.keep, self.fired = opt, k, keep, False
+        real_begin, real_step = opt.operate.begin_update, opt._step_fn
+
+        def begin_update(j):
+            if j == self.k and not self.fired:
+                self.fired = True
+                raise Boom(f"injected failure before the update of chunk {j}")
+            return real_begin(j)
+
+        def step_fn(o, *args, **kwargs):
+            if self.keep and self.fired:
+                raise RecoveryBoom("injected failure in the recovery")
+            return real_step(o, *args, **kwargs)
+
+        opt.operate.begin_update, opt._step_fn = begin_update, step_fn
+        self._real = real_step
+
+    def stop(self):
+        del self.opt.operate.begin_update  # the instance attribute shadowed the method
+        self.opt._step_fn = self._real
+
+
+class RecoveryBoom(RuntimeError):
+    pass
+
+
 @pytest.mark.parametrize("name", sorted(SPLIT_MAKERS))
-@pytest.mark.parametrize("fail_step", [0, 2, 3])  # 0: states being created; 2 and 3: either host buffer current
-def test_failure_in_every_chunk_with_split_params(name, fail_step):
+@pytest.mark.parametrize("fail_step", [0, 2])  # 0: states being created; 2: steady state
+def test_roll_forward_at_every_chunk(name, fail_step):
     make = SPLIT_MAKERS[name]
-    n_chunks = None
-    k = 0
+    n_chunks, k, rolled = None, 0, 0
     while n_chunks is None or k < n_chunks:
         with simulator.activate() as dev:
             ps, opt, rs, ref = _split_pair(make)
-            for step in range(fail_step + 3):
+            for step in range(fail_step + 2):
                 _set_grads(ps, rs)
                 if step != fail_step:
                     opt.step()
@@ -160,29 +194,25 @@ def test_failure_in_every_chunk_with_split_params(name, fail_step):
                 opt.wait_for_swap_out()
                 old = _snapshot(rs, ref.state)
                 base = dev.memory_allocated() - _scalar_bytes(dev, opt, ps)
-                restore = _fail_on_call(opt, k)
+                inject = _Injector(opt, k)
                 with pytest.raises(Boom):
                     opt.step()
-                restore()
+                inject.stop()
                 plan = opt._prepared.plan
                 n_chunks = len(plan.chunks)
                 assert len(_split_indices(opt)) >= 2 and n_chunks >= 4
-                # staging released; only device-resident scalar states (fused step) of stepped params added
+                begun = _begun(plan, k)
+                rolled += any(plan.last_chunk[i] >= k for i in begun)
+                # staging and recovery buffers released; only device-resident scalar states (fused step) added
                 assert dev.memory_allocated() == base + _scalar_bytes(dev, opt, ps), "staging not released"
                 ref.step()
-                stepped_ref = _snapshot(rs, ref.state)
+                stepped = _snapshot(rs, ref.state)
                 opt.wait_for_swap_out()
-                stepped = set()
-                for i, p in enumerate(ps):
-                    st = opt.state.get(p, {})
-                    is_new, is_old = _matches(p, st, stepped_ref[i]), _matches(p, st, old[i])
-                    assert is_new != is_old, f"chunk {k}: param {i} is neither stepped nor untouched"
-                    if is_new:
-                        stepped.add(i)
-                # exactly the params whose last piece was in a chunk before the failed one
-                assert stepped == {i for i, last in plan.last_chunk.items() if last < k}, f"chunk {k}"
+                for i, p in enumerate(ps):  # begun before chunk k: stepped (rolled forward if split); else old
+                    expect = stepped[i] if i in begun else old[i]
+                    assert _matches(p, opt.state.get(p, {}), expect), f"chunk {k}: param {i}"
                 for i, r in enumerate(rs):  # the reference takes the same outcome
-                    if i not in stepped:
+                    if i not in begun:
                         r.data.copy_(old[i][0])
                         ref.state.pop(r, None)
                         if old[i][1]:
@@ -190,24 +220,118 @@ def test_failure_in_every_chunk_with_split_params(name, fail_step):
             opt.wait_for_swap_out()
             _compare(ps, opt, rs, ref)  # later steps work and match
         k += 1
+    assert rolled >= 2  # the failure hit split params mid-way more than once
 
 
-def test_split_failure_with_one_slot():
-    # slots=1: no lookahead, each backup is queued right before its update
+def _first_boundary_chunk(opt):
+    """The first chunk that starts with a later piece of a param begun in the chunk before."""
+    return next(k for k, c in enumerate(opt._prepared.plan.chunks) if k and c.pieces[0].start > 0)
+
+
+def _on_device(v):
+    if not isinstance(v, torch.Tensor):
+        return v
+    if v.dim() == 0:
+        return v.clone()  # scalar states keep their kind (a host literal, or on the device for fused)
+    return torch.empty(v.shape, dtype=v.dtype).copy_(v)  # host state -> device memory, as the reference keeps it
+
+
+def _adopt(ps, opt, rs, ref):
+    """Give the reference the optimizer's params and states."""
+    for p, r in zip(ps, rs):
+        r.data.copy_(p.detach())
+        ref.state.pop(r, None)
+        if opt.state.get(p):
+            ref.state[r] = {k: _on_device(v) for k, v in opt.state[p].items()}
+
+
+@pytest.mark.parametrize("name", ["adamw_foreach", "sgd_momentum"])
+@pytest.mark.parametrize("mode", ["inside_update", "recovery_fails"])
+@pytest.mark.parametrize("fail_step", [0, 2])
+def test_straddling_param_left_partial_is_reported(name, mode, fail_step):
+    # The failure leaves the param split across chunk k partially stepped when it comes from inside the
+    # update of chunk k (no redo: the update may have begun writing in place) or when completing it fails.
+    messages = []
+    handle = logger.add(lambda m: messages.append(str(m)), level="ERROR")
+    logger.enable("swapopt")
+    try:
+        with simulator.activate() as dev:
+            ps, opt, rs, ref = _split_pair(SPLIT_MAKERS[name])
+            for step in range(fail_step + 3):
+                _set_grads(ps, rs)
+                if step != fail_step:
+                    opt.step()
+                    ref.step()
+                    continue
+                opt.wait_for_swap_out()
+                if step == 0:
+                    opt._prepare(*opt._active())  # plan ahead to pick the chunk
+                k = _first_boundary_chunk(opt)
+                plan = opt._prepared.plan
+                i = plan.chunks[k].pieces[0].index
+                cut = plan.chunks[k].pieces[0].start
+                old = _snapshot(rs, ref.state)
+                base = dev.memory_allocated() - _scalar_bytes(dev, opt, ps)
+                if mode == "inside_update":
+                    restore = _fail_on_call(opt, k)
+                    with pytest.raises(Boom):
+                        opt.step()
+                    restore()
+                else:
+                    inject = _Injector(opt, k, keep=True)
+                    with pytest.raises(Boom):  # the original exception, not the recovery's
+                        opt.step()
+                    inject.stop()
+                assert dev.memory_allocated() == base + _scalar_bytes(dev, opt, ps), "staging not released"
+                ref.step()
+                stepped = _snapshot(rs, ref.state)
+                opt.wait_for_swap_out()
+                begun = _begun(plan, k)
+                for j, p in enumerate(ps):
+                    if j != i:
+                        assert _matches(p, opt.state.get(p, {}), stepped[j] if j in begun - {i} else old[j]), j
+                # the straddling param: elements before the cut stepped, the rest old, per element with states
+                p, st = ps[i].detach(), opt.state.get(ps[i], {})
+                assert torch.equal(p[:cut], stepped[i][0][:cut]) and torch.equal(p[cut:], old[i][0][cut:])
+                if fail_step == 0:
+                    assert not st  # the states being created were dropped
+                else:
+                    assert set(st) == set(old[i][1])
+                    for key, v in old[i][1].items():
+                        if is_swapped_state(ps[i], key, v):
+                            assert torch.equal(st[key][:cut], stepped[i][1][key][:cut]), key
+                            assert torch.equal(st[key][cut:], v[cut:]), key
+                        else:
+                            assert torch.equal(st[key], v), key  # step count old
+                _adopt(ps, opt, rs, ref)
+            opt.wait_for_swap_out()
+            _compare(ps, opt, rs, ref)  # the optimizer keeps working after the injection stops
+    finally:
+        logger.remove(handle)
+        logger.disable("swapopt")
+    errors = [m for m in messages if "ERROR" in m]
+    assert len(errors) == 1 and f"of shape {tuple(ps[i].shape)}" in errors[0], messages
+    assert ("completing" in errors[0]) == (mode == "recovery_fails")
+    assert f"[0, {cut})" in errors[0]
+
+
+def test_roll_forward_with_one_slot():
+    # slots=1: no lookahead; the failure comes before the update of a chunk that continues a split param
     with simulator.activate():
         ps, opt, rs, ref = _split_pair(SPLIT_MAKERS["adamw_foreach"], slots=1)
         for step in range(4):
             _set_grads(ps, rs)
             if step == 2:
+                k = _first_boundary_chunk(opt)
                 opt.wait_for_swap_out()
                 before = _snapshot(ps, opt.state)
-                restore = _fail_on_call(opt, 3)
+                inject = _Injector(opt, k)
                 with pytest.raises(Boom):
                     opt.step()
-                restore()
+                inject.stop()
                 opt.wait_for_swap_out()
-                last = opt._prepared.plan.last_chunk
-                untouched = [i for i in range(len(ps)) if last[i] >= 3]
+                begun = _begun(opt._prepared.plan, k)
+                untouched = [i for i in range(len(ps)) if i not in begun]
                 assert untouched and all(_matches(ps[i], opt.state[ps[i]], before[i]) for i in untouched)
                 for i in untouched:  # the reference steps the others only
                     rs[i].grad = None
@@ -227,79 +351,23 @@ def test_split_parity_stats_and_host_memory(name, monkeypatch):
         real = device.pinned_empty
         monkeypatch.setattr(device, "pinned_empty", lambda *a, **k: calls.append(a) or real(*a, **k))
         buffers: dict = {}
-        for step in range(5):
+        for step in range(4):
             _set_grads(ps, rs)
             opt.step()
             ref.step()
-            if step == 1:
+            if step == 0:
                 allocated = len(calls)
             opt.wait_for_swap_out()
             for p in ps:
                 for k, v in opt.state[p].items():
                     if is_swapped_state(p, k, v):
                         buffers.setdefault((id(p), k), set()).add(v.data_ptr())
-        split = _split_indices(opt)
-        assert len(split) >= 2
-        # spares exist from the second step on (the first creates the states), then nothing is allocated
-        assert len(calls) == allocated
-        # a split param's state alternates between two pinned tensors, any other param's stays put
-        for (pid, k), ptrs in buffers.items():
-            i = next(i for i, p in enumerate(ps) if id(p) == pid)
-            assert len(ptrs) == (2 if i in split else 1), (i, k)
+        assert len(_split_indices(opt)) >= 2
+        assert len(calls) == allocated  # the first step allocates every host state; nothing after
+        assert all(len(ptrs) == 1 for ptrs in buffers.values())  # host states are never reallocated
         state_bytes = sum(v.nbytes for p in ps for k, v in opt.state[p].items() if is_swapped_state(p, k, v))
-        split_state = sum(v.nbytes for i in split for k, v in opt.state[ps[i]].items() if is_swapped_state(ps[i], k, v))
-        split_param = sum(ps[i].nbytes for i in split)
-        # Pinned host memory is the states plus, for split params only, a spare copy of their states and a
-        # backup of the param; the stats count the backups' D2H (the spare takes the swap-out, no extra).
-        assert dev.host_memory_allocated() == state_bytes + split_state + split_param
+        # no spares, no backups: pinned host memory is the states, and each byte moves once each way
+        assert dev.host_memory_allocated() == state_bytes
         stats = opt.swap_stats()
-        assert (stats.h2d_bytes, stats.d2h_bytes) == (state_bytes, state_bytes + split_param)
+        assert (stats.h2d_bytes, stats.d2h_bytes) == (state_bytes, state_bytes)
     _compare(ps, opt, rs, ref)  # bitwise parity with splitting
-
-
-def test_non_atomic_split_keeps_pieces_and_reports():
-    messages = []
-    handle = logger.add(lambda m: messages.append(str(m)), level="ERROR")
-    logger.enable("swapopt")
-    try:
-        with simulator.activate() as dev:
-            p = torch.nn.Parameter(torch.randn(4096))
-            opt = SwapOptimizer(O.AdamW([p], lr=1e-2), chunk_mb=8 / 1024, atomic_split=False)  # 4 pieces
-            p.grad = torch.randn(4096)
-            opt.step()
-            base_host = dev.host_memory_allocated()
-            assert base_host == 2 * p.nbytes  # exp_avg, exp_avg_sq: no spare, no backup
-            opt.wait_for_swap_out()
-            before = p.detach().clone()
-            exp_avg = opt.state[p]["exp_avg"].clone()
-            step = opt.state[p]["step"].clone()
-            p.grad = torch.randn(4096)
-            restore = _fail_on_call(opt, 2)
-            with pytest.raises(Boom):
-                opt.step()
-            restore()
-            opt.wait_for_swap_out()
-            changed = (p.detach() != before).nonzero().flatten()
-            assert changed.min() >= 0 and changed.max() < 2048  # pieces 0 and 1 ran, 2 and 3 did not
-            assert torch.equal(opt.state[p]["exp_avg"][2048:], exp_avg[2048:])
-            assert not torch.equal(opt.state[p]["exp_avg"][:2048], exp_avg[:2048])
-            assert torch.equal(opt.state[p]["step"], step)
-            p.grad = torch.randn(4096)
-            base = dev.memory_allocated()
-            opt.step()  # keeps working
-            assert dev.memory_allocated() == base
-            assert dev.host_memory_allocated() == base_host
-    finally:
-        logger.remove(handle)
-        logger.disable("swapopt")
-    assert any("split across it" in m for m in messages)
-
-
-def test_atomic_split_is_validated_and_configurable():
-    p = torch.nn.Parameter(torch.randn(4))
-    with pytest.raises(ValueError, match="atomic_split"):
-        SwapOptimizer(O.AdamW([p]), atomic_split="yes")
-    with pytest.raises(pydantic.ValidationError):
-        SwapConfig(swap_optimizer=True, atomic_split="yes")
-    assert SwapOptimizer(O.AdamW([p])).atomic_split is True
-    assert SwapConfig(swap_optimizer=True, atomic_split=False).wrap(O.AdamW([p])).atomic_split is False

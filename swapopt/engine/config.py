@@ -68,7 +68,7 @@ class AdamWConfig(SwapConfig):
 
     ``type`` names any ``torch.optim`` optimizer; its constructor gets the keys below that it accepts.
     The swap knobs (``swap_optimizer``, ``swap_optimizer_times``, ``chunk_mb``, ``slots``,
-    ``resident_mb``, ``atomic_split``) are inherited from :class:`swapopt.SwapConfig`.
+    ``resident_mb``) are inherited from :class:`swapopt.SwapConfig`.
     """
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
