@@ -76,6 +76,7 @@ def load_optimizer(model, opt, osd: dict, options: StateDictOptions | None = Non
     before = mod.memory_allocated()
     mod.reset_peak_memory_stats()
     set_optimizer_state_dict(model, opt, osd, options=options)
+    gc.collect()  # temporaries DCP left in reference cycles are garbage, not memory the load holds
     # Loading optimizer state must not touch device memory (states go straight to host tensors) ...
     assert mod.memory_allocated() == before, (before, mod.memory_allocated())
     # ... not even for a moment, except for DCP's own broadcast buffers: full_state_dict loads broadcast one
