@@ -17,7 +17,7 @@ class SwapConfig(BaseModel):
     ``resident_mb``: states that fit this budget (MiB) stay on the device and are stepped first.
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
     swap_optimizer: bool = False
     swap_optimizer_times: int = Field(default=16, ge=1)

@@ -8,8 +8,6 @@ Usage: dist_fsdp_ckpt.py JOB [JOB ...], a JOB being e.g. ``load=DIR,start=3,step
 
 from __future__ import annotations
 
-import gc
-
 import sys
 
 import torch
@@ -28,6 +26,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 import device
+from dist_utils import live_device_bytes
 from swapopt import SwapOptimizer
 
 
@@ -72,13 +71,12 @@ def check_swapped(opt: SwapOptimizer, steps: int) -> None:
 
 def load_optimizer(model, opt, osd: dict, options: StateDictOptions | None = None) -> None:
     mod = device.get_torch_device_module()
-    gc.collect()  # cyclic garbage from earlier work must not be freed mid-measurement
-    before = mod.memory_allocated()
+    before = live_device_bytes(mod)
     mod.reset_peak_memory_stats()
     set_optimizer_state_dict(model, opt, osd, options=options)
-    gc.collect()  # temporaries DCP left in reference cycles are garbage, not memory the load holds
     # Loading optimizer state must not touch device memory (states go straight to host tensors) ...
-    assert mod.memory_allocated() == before, (before, mod.memory_allocated())
+    after = live_device_bytes(mod)  # temporaries DCP left in reference cycles are garbage, not held memory
+    assert after == before, (before, after)
     # ... not even for a moment, except for DCP's own broadcast buffers: full_state_dict loads broadcast one
     # full tensor at a time on the process group's device (the CPU here, which the simulator counts).
     if not (options and options.full_state_dict):

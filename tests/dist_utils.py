@@ -3,6 +3,7 @@ snapshots, and a launcher that runs a script as N fresh ranks (torchrun-style en
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import subprocess
@@ -60,6 +61,13 @@ def launch(script: str, world_size: int, *args: str, timeout: float = 180.0) -> 
         err.close()
     if failures:
         raise AssertionError(f"{script} {' '.join(args)} failed:\n" + "\n".join(failures))
+
+
+def live_device_bytes(mod: Any) -> int:
+    """Device bytes held by live objects. Cyclic garbage is collected first: the interpreter would free it
+    at an arbitrary later moment, in the middle of a measurement."""
+    gc.collect()
+    return mod.memory_allocated()
 
 
 def adamw(model: nn.Module) -> torch.optim.AdamW:

@@ -3,8 +3,6 @@ validation that leaves the optimizer unchanged."""
 
 from __future__ import annotations
 
-import gc
-
 import copy
 
 import pytest
@@ -15,6 +13,7 @@ from dist_utils import (
     copy_model,
     forward_backward,
     host_states,
+    live_device_bytes,
     make_model,
     snapshot,
     swap,
@@ -56,8 +55,7 @@ def test_plain_checkpoint_loads_into_swap_optimizer_and_trains_on(sim, inner):
 
     model = copy_model(ref)
     opt = SwapOptimizer(make_inner(model), swap_optimizer_times=3, **swap_kw)
-    gc.collect()  # cyclic garbage must not be freed mid-measurement
-    before = sim.memory_allocated()
+    before = live_device_bytes(sim)
     opt.load_state_dict(plain_sd)
     assert sim.memory_allocated() <= before
     assert all(device.is_host_tensor(t) for t in host_states(opt))
@@ -88,8 +86,7 @@ def test_state_dict_returns_the_host_tensors_and_allocates_nothing(sim):
     model = make_model()
     opt = swap(model)
     train(model, opt, 2)
-    gc.collect()  # cyclic garbage must not be freed mid-measurement
-    before = sim.memory_allocated()
+    before = live_device_bytes(sim)
     sim.reset_peak_memory_stats()
     sd = opt.state_dict()
     assert sim.max_memory_allocated() == before
@@ -114,8 +111,7 @@ def test_load_allocates_no_device_memory(fresh):
         opt = swap(model)
         if not fresh:
             train(model, opt, 1)
-        gc.collect()  # cyclic garbage must not be freed mid-measurement
-        before = mod.memory_allocated()
+        before = live_device_bytes(mod)
         mod.reset_peak_memory_stats()
         opt.load_state_dict(sd)
         assert mod.max_memory_allocated() == before
@@ -135,8 +131,7 @@ def test_set_optimizer_state_dict_fake_step_and_load_stay_on_host():
         opt = swap(model)
         first_step_extra = _first_step_extra_memory(mod, copy_model(ref))
         param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        gc.collect()  # cyclic garbage must not be freed mid-measurement
-        before = mod.memory_allocated()
+        before = live_device_bytes(mod)
         mod.reset_peak_memory_stats()
         # Empty state: DCP runs a step with zero grads and lr=0 to create it.
         osd = get_optimizer_state_dict(model, opt)

@@ -4,14 +4,22 @@ back, and put_optimizer_to_device."""
 
 from __future__ import annotations
 
-import gc
-
 import importlib
 import warnings
 
 import pytest
 import torch
-from dist_utils import adamw, assert_same_state, forward_backward, host_states, make_model, snapshot, swap, train
+from dist_utils import (
+    adamw,
+    assert_same_state,
+    forward_backward,
+    host_states,
+    live_device_bytes,
+    make_model,
+    snapshot,
+    swap,
+    train,
+)
 from loguru import logger
 
 import device
@@ -91,8 +99,7 @@ def test_offload_onload_are_idempotent_before_the_first_step(sim):
     model = make_model()
     opt = swap(model)
     params = [p.detach().clone() for p in model.parameters()]
-    gc.collect()  # cyclic garbage must not be freed mid-measurement
-    before = sim.memory_allocated()
+    before = live_device_bytes(sim)
     offload(opt)
     offload(opt, empty_cache=True)
     onload(opt)

@@ -71,8 +71,6 @@ class AdamWConfig(SwapConfig):
     ``resident_mb``) are inherited from :class:`swapopt.SwapConfig`.
     """
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
     type: str = "AdamW"
     lr: float = Field(default=1e-3, ge=0)
     betas: tuple[float, float] = (0.9, 0.95)
