@@ -21,7 +21,7 @@ from loguru import logger
 from pydantic import BaseModel
 
 import device
-from swapopt import checkpoint, hoststate
+from swapopt import checkpoint, copying, hoststate
 from swapopt.hoststate import ELEMENTWISE, is_swapped_state, local, new_host_like, wrap_like
 from swapopt.operate import SwapOptimizerOperate
 from swapopt.plan import DEFAULT_ALIGN, ParamSize, Plan, make_plan
@@ -207,7 +207,11 @@ class SwapOptimizer(torch.optim.Optimizer):
         )
 
     def __getstate__(self) -> dict[str, Any]:
-        raise TypeError("SwapOptimizer holds streams and events and cannot be pickled; use state_dict()")
+        # The inner optimizer and the settings; the copy builds its own streams, staging and pinned states.
+        return copying.getstate(self)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        copying.setstate(self, state)
 
     def state_dict(self) -> dict[str, Any]:
         return checkpoint.state_dict(self)
