@@ -130,6 +130,7 @@ def load_state_dict(opt, state_dict: dict[str, Any]) -> None:
             statespec.check_shapes(spec, index_of[id(p)], p, values, name)
 
     # 4. Try every copy on one element: a value that cannot be copied (a meta tensor, say) is refused now.
+    opt.wait_for_swap_out()  # values may be this optimizer's own host tensors, still written by swap-outs
     for c in copies:
         _try_copy(c)
 
@@ -141,7 +142,6 @@ def load_state_dict(opt, state_dict: dict[str, Any]) -> None:
                 else device.pinned_empty(c.shape, dtype=c.dtype)
             hoststate.local(dst).copy_(c.src)
             staged[id(c)] = dst
-    opt.wait_for_swap_out()  # in-flight swap-outs still write the host tensors written in place below
 
     # 6. Commit. In-place copies into the existing host tensors come last; they were all tried above.
     done: list[int] = []

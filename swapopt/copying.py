@@ -34,9 +34,12 @@ def getstate(opt: Any) -> dict[str, Any]:
 
 def setstate(opt: Any, state: dict[str, Any]) -> None:
     """Rebuild ``opt`` (created without __init__ by pickle or deepcopy) around the copied inner optimizer."""
+    from swapopt.optimizer import SwapOptimizer  # optimizer imports this module
+
     inner = state["optimizer"]
     _pin_states(inner)
-    type(opt).__init__(
+    # SwapOptimizer's own __init__, not type(opt)'s: class forms built from params take other arguments.
+    SwapOptimizer.__init__(
         opt,
         inner,
         swap_optimizer_times=state["swap_optimizer_times"],

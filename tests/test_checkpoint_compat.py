@@ -212,3 +212,16 @@ def test_torch_save_weights_only_round_trip_resumes_bitwise(sim, name):
     train(model, opt, 2, start=2)
     train(model2, opt2, 2, start=2)
     assert_same_state(snapshot(model, opt), snapshot(model2, opt2))
+
+
+def test_factored_state_of_the_wrong_shape_is_refused(sim):
+    """Adafactor's row/column factors are shaped unlike the param: the probe maps each of their dims to the
+    param's, so a factor of another shape is refused too, not only param-shaped moments."""
+    model = make_model()
+    opt = SwapOptimizer(torch.optim.Adafactor(model.parameters(), lr=1e-2, foreach=False), swap_optimizer_times=3)
+    train(model, opt, 1)
+    sd = copy.deepcopy(opt.state_dict())
+    assert tuple(sd["state"][0]["row_var"].shape) == (24, 1)
+    sd["state"][0]["row_var"] = torch.zeros(16, 1)
+    with pytest.raises(ValueError, match=r"param 0, state 'row_var': shape \(16, 1\).* keeps shape \(24, 1\)"):
+        opt.load_state_dict(sd)
