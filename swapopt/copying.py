@@ -21,6 +21,8 @@ from swapopt.hoststate import is_swapped_state, local, wrap_like
 def getstate(opt: Any) -> dict[str, Any]:
     """What a copy needs: the inner optimizer, the settings and the step counters. In-flight swap-outs are
     waited for first, so the copy reads each state after the last step's write."""
+    from swapopt.offload import offloaded_scalars  # offload imports the optimizer, which imports this module
+
     opt.wait_for_swap_out()
     return {
         "optimizer": opt.optimizer,
@@ -29,12 +31,16 @@ def getstate(opt: Any) -> dict[str, Any]:
         "slots": opt.operate.slots,
         "resident_mb": opt.resident_mb,
         "stats": opt._stats.model_dump(),
+        # Device scalars an offload moved to the host: the copy moves its own back at onload or its next step.
+        "offloaded": [(p, key, str(dev)) for (p, key), dev in offloaded_scalars(opt).items()],
     }
 
 
 def setstate(opt: Any, state: dict[str, Any]) -> None:
     """Rebuild ``opt`` (created without __init__ by pickle or deepcopy) around the copied inner optimizer."""
-    from swapopt.optimizer import SwapOptimizer  # optimizer imports this module
+    # Imported here: the optimizer module imports this one, and offload imports the optimizer.
+    from swapopt.offload import remember_offloaded
+    from swapopt.optimizer import SwapOptimizer
 
     inner = state["optimizer"]
     _pin_states(inner)
@@ -48,6 +54,7 @@ def setstate(opt: Any, state: dict[str, Any]) -> None:
         resident_mb=state["resident_mb"],
     )
     opt._stats = type(opt._stats).model_validate(state["stats"])
+    remember_offloaded(opt, {(p, key): torch.device(dev) for p, key, dev in state.get("offloaded", ())})
 
 
 def pinned_copy(value: torch.Tensor) -> torch.Tensor:

@@ -61,7 +61,7 @@ def _evict(opt: SwapOptimizer) -> None:
     if device.get_device() == "cpu":
         return
     resident = False
-    scalars = opt.__dict__.setdefault("_offloaded_scalars", {})
+    scalars: dict[tuple[torch.Tensor, str], torch.device] = {}
     for p, st in opt.state.items():
         for key, value in list(st.items()):
             if not isinstance(value, torch.Tensor) or device.is_host_tensor(value):
@@ -74,10 +74,23 @@ def _evict(opt: SwapOptimizer) -> None:
             st[key] = host
     if resident:
         opt.invalidate()  # the cached plan says "resident": plan again, which moves them back
-    if scalars and opt.__dict__.get("_restore_hook") is None:
-        opt.__dict__["_restore_hook"] = opt.register_step_pre_hook(lambda o, args, kwargs: _restore_scalars(o))
+    remember_offloaded(opt, scalars)
     if resident or scalars:
         logger.debug("swapopt offload: moved {} device scalars and the resident states to host memory", len(scalars))
+
+
+def offloaded_scalars(opt: SwapOptimizer) -> dict[tuple[torch.Tensor, str], torch.device]:
+    """(param, key) -> device of the device scalars that offload moved to host memory and onload moves back."""
+    return dict(opt.__dict__.get("_offloaded_scalars", {}))
+
+
+def remember_offloaded(opt: SwapOptimizer, scalars: dict[tuple[torch.Tensor, str], torch.device]) -> None:
+    """Record device scalars that are in host memory for now; onload, or the next step, moves them back."""
+    if not scalars:
+        return
+    opt.__dict__.setdefault("_offloaded_scalars", {}).update(scalars)
+    if opt.__dict__.get("_restore_hook") is None:
+        opt.__dict__["_restore_hook"] = opt.register_step_pre_hook(lambda o, args, kwargs: _restore_scalars(o))
 
 
 def _restore_scalars(opt: SwapOptimizer) -> None:

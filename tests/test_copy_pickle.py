@@ -13,6 +13,7 @@ import torch
 from dist_utils import assert_same_state, forward_backward, host_states, make_model, snapshot, swap, train
 
 import device
+from swapopt import SwapOptimizer
 
 VARIANTS = {"host": {}, "resident": {"resident_mb": 0.001}}  # resident: small params keep device states
 
@@ -89,3 +90,26 @@ def test_deepcopy_of_the_optimizer_alone_copies_params_like_torch(sim):
     new_params = new.param_groups[0]["params"]
     assert all(q is not p and torch.equal(q, p) for q, p in zip(new_params, model.parameters()))
     assert set(new.state) == set(new_params)
+
+
+def test_copy_of_an_offloaded_fused_optimizer_steps_bitwise(sim):
+    """Offload moved fused AdamW's device ``step`` scalars to the host; a copy taken then puts its own back
+    before its first step, like the original."""
+
+    def build():
+        model = make_model()
+        return model, SwapOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True), swap_optimizer_times=3)
+
+    ref_model, ref = build()
+    train(ref_model, ref, 3)
+    model, opt = build()
+    train(model, opt, 2)
+    opt.offload()
+    new_model, new = copy.deepcopy((model, opt))
+    train(new_model, new, 1, start=2)
+    opt.onload()
+    train(model, opt, 1, start=2)
+    steps = [s["step"] for s in new.state.values()]
+    assert steps and not any(device.is_host_tensor(t) for t in steps)
+    assert_same_state(snapshot(ref_model, ref), snapshot(model, opt))
+    assert_same_state(snapshot(ref_model, ref), snapshot(new_model, new))
