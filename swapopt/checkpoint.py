@@ -131,8 +131,9 @@ def load_state_dict(opt, state_dict: dict[str, Any]) -> None:
 
     # 4. Try every copy on one element: a value that cannot be copied (a meta tensor, say) is refused now.
     opt.wait_for_swap_out()  # values may be this optimizer's own host tensors, still written by swap-outs
+    scratch: dict[torch.dtype, torch.Tensor] = {}
     for c in copies:
-        _try_copy(c)
+        _try_copy(c, scratch)
 
     # 5. New host tensors are allocated and filled first: a failure here leaves the optimizer as it was.
     staged: dict[int, torch.Tensor] = {}
@@ -144,20 +145,23 @@ def load_state_dict(opt, state_dict: dict[str, Any]) -> None:
             staged[id(c)] = dst
 
     # 6. Commit. In-place copies into the existing host tensors come last; they were all tried above.
-    done: list[int] = []
+    written: list[tuple[int, Any]] = []
+    current: _Copy | None = None
     try:
         for c in copies:
             if c.in_place:
+                current = c
                 dst_local = hoststate.local(c.dst)
                 if not _same_tensor(dst_local, c.src):  # DCP loads into the tensors state_dict() returned
                     dst_local.copy_(c.src)
-                done.append(c.index)
+                written.append((c.index, c.key))
     except BaseException:
+        # Every copy was tried above, so only an interrupt or a failing host gets here: say what changed.
         logger.error(
-            "swapopt: load_state_dict failed while copying into the existing host states; params {} were "
-            "loaded, the others keep their old states; param groups are unchanged",
-            sorted(set(done)),
-        )
+            "swapopt: load_state_dict failed while writing the existing host states; loaded: {}; param {} state "
+            "{!r} may be partly written; every other state, the step counts and the param groups are unchanged",
+            written, *((current.index, current.key) if current is not None else (None, None)),
+        )  # fmt: skip
         raise
     by_key = {(id(c.param), c.key): c for c in copies}
     for p in params:
@@ -204,17 +208,18 @@ def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
     )
 
 
-def _try_copy(c: _Copy) -> None:
-    """Copy one element of ``c.src`` into a scratch host tensor, so that a value that cannot be copied at all
-    is refused before anything changes."""
+def _try_copy(c: _Copy, scratch: dict[torch.dtype, torch.Tensor]) -> None:
+    """Copy one element of ``c.src`` into a scratch host tensor (one per dtype), so that a value that cannot
+    be copied at all is refused before anything changes."""
     src = c.src
     if src.is_meta or src.layout != torch.strided:
         raise ValueError(f"param {c.index}, state {c.key!r}: a {src.layout} {src.device} tensor holds no data to load")
     if src.numel() == 0:
         return
-    scratch = device.pinned_empty((1,), dtype=c.dtype)
+    if c.dtype not in scratch:
+        scratch[c.dtype] = device.pinned_empty((1,), dtype=c.dtype)
     try:
-        scratch.copy_(src.reshape(-1)[:1] if src.is_contiguous() else src[(0,) * src.dim()].reshape(1))
+        scratch[c.dtype].copy_(src.reshape(-1)[:1] if src.is_contiguous() else src[(0,) * src.dim()].reshape(1))
     except Exception as exc:
         raise ValueError(f"param {c.index}, state {c.key!r}: cannot be copied into host memory ({exc})") from exc
 

@@ -89,7 +89,9 @@ def probe(optimizer: torch.optim.Optimizer, group: dict[str, Any], param: torch.
     cls = type(optimizer)
     step = _raw_step(optimizer)
     try:
-        opt = cls([tiny], **_ctor_kwargs(cls, optimizer.defaults))
+        kwargs = _ctor_kwargs(cls, optimizer.defaults)
+        kwargs.update({k: v for k, v in _HOST_PATH.items() if k in kwargs})
+        opt = cls([tiny], **kwargs)
         pg = opt.param_groups[0]
         pg.update({k: v for k, v in group.items() if k not in ("params", "param_names")})
         pg.update({k: v for k, v in _HOST_PATH.items() if k in pg})

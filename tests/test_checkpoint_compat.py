@@ -10,6 +10,7 @@ import io
 import pytest
 import torch
 from dist_utils import assert_same_state, copy_model, host_states, make_model, snapshot, swap, train
+from loguru import logger
 
 import device
 from device import sim as simulator
@@ -225,3 +226,34 @@ def test_factored_state_of_the_wrong_shape_is_refused(sim):
     sd["state"][0]["row_var"] = torch.zeros(16, 1)
     with pytest.raises(ValueError, match=r"param 0, state 'row_var': shape \(16, 1\).* keeps shape \(24, 1\)"):
         opt.load_state_dict(sd)
+
+
+def test_interrupt_while_writing_existing_host_states_says_what_changed(sim, monkeypatch):
+    """In-place writes into the existing host states come last and were all tried on one element; an
+    interrupt among them is still possible, and the ERROR names what was written."""
+    model = make_model()
+    opt = swap(model)
+    train(model, opt, 2)
+    sd = copy.deepcopy(opt.state_dict())
+    sd["param_groups"][0]["lr"] = 0.5
+    real, calls = checkpoint._same_tensor, []
+
+    def interrupted(a, b):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(a, b)
+
+    monkeypatch.setattr(checkpoint, "_same_tensor", interrupted)
+    messages: list[str] = []
+    logger.enable("swapopt")
+    sink = logger.add(lambda m: messages.append(str(m)), level="ERROR")
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            opt.load_state_dict(sd)
+    finally:
+        logger.remove(sink)
+        logger.disable("swapopt")
+    assert len(messages) == 1
+    assert "loaded: [(0, 'exp_avg'), (0, 'exp_avg_sq')]; param 1 state 'exp_avg' may be partly written" in messages[0]
+    assert opt.param_groups[0]["lr"] == 1e-2
