@@ -3,8 +3,9 @@
 A SwapOptimizer keeps its swapped states in pinned host memory between steps, so offloading drains
 in-flight copies, frees the staging buffers and moves the little that stays on the device (resident
 states, device ``step`` scalars of fused or capturable groups) to the host; onloading moves the scalars
-back, and the next step streams the states in and makes resident ones resident again. A plain optimizer (``SwapConfig(swap_optimizer=False).wrap`` returns one)
-gets the classic treatment instead: its states move to the CPU and back.
+back, and the next step streams the states in and makes resident ones resident again. A plain optimizer
+(``SwapConfig(swap_optimizer=False).wrap`` returns one) gets the classic treatment instead: its states
+move to the CPU and back.
 """
 
 from __future__ import annotations
