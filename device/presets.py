@@ -58,11 +58,13 @@ def figure_names() -> list[str]:
 _H100_DATASHEET = "NVIDIA H100 Tensor Core GPU datasheet, H100 SXM column"
 # The datasheet's tensor-core rows are quoted with 2:4 structured sparsity; dense peaks are half of them.
 _DENSE = "halved: the datasheet's tensor-core figures are with sparsity"
-# The one published measurement of both directions at once found: A100 on PCIe Gen4 moves 25-26 GB/s each way
-# alone but about 37 GB/s in total with both running (nvbandwidth host_to_device_bidirectional_memcpy_ce and
+# Published measurements of both directions at once: A100 on PCIe Gen4 moves 25-26 GB/s each way alone but
+# about 37 GB/s in total with both running (nvbandwidth host_to_device_bidirectional_memcpy_ce and
 # device_to_host_bidirectional_memcpy_ce, github.com/NVIDIA/nvbandwidth/issues/11 and issues/53).
-_DUPLEX_RATIO = "the ~1.45x single-direction total that nvbandwidth reports on A100 PCIe Gen4 (about 37 GB/s with both " \
+_DUPLEX_RATIO = (
+    "the ~1.45x single-direction total that nvbandwidth reports on A100 PCIe Gen4 (about 37 GB/s with both "
     "directions busy against 25-26 GB/s one way; github.com/NVIDIA/nvbandwidth issues 11 and 53)"
+)
 
 PRESETS: dict[str, SimPreset] = {
     "h100": SimPreset(
@@ -84,7 +86,7 @@ PRESETS: dict[str, SimPreset] = {
             "h2d_gbps": "measured pinned H2D on H100 over PCIe Gen5 x16, about 55-57 GB/s per direction "
             "(swapopt design notes; PCIe Gen5 x16 peak is 64 GB/s)",
             "d2h_gbps": "measured pinned D2H on H100, about 55 GB/s (swapopt design notes)",
-            "duplex_gbps": f"assumed: 55 GB/s one way times {_DUPLEX_RATIO}; no H100 figure found",
+            "duplex_gbps": f"assumed: 55 GB/s one way times {_DUPLEX_RATIO}; no published H100 figure",
             "copy_latency_us": "assumed: a few microseconds of DMA setup and PCIe round trip per cudaMemcpyAsync",
             "hbm_gbps": f"{_H100_DATASHEET}: GPU memory bandwidth 3.35 TB/s",
             "bf16_tflops": f"{_H100_DATASHEET}: BFLOAT16 Tensor Core 1,979 TFLOPS, {_DENSE}",

@@ -69,12 +69,6 @@ class Timeline:
             return memory
         return max(memory, flops.count / (self.preset.peak_tflops(flops.precision) * 1e6))  # TFLOP/s = 1e6 FLOP/us
 
-    def lane_cost_us(self, lane: str, nbytes: int) -> float:
-        """Duration of an op of `nbytes` on an idle device (a copy alone on the link, latency included)."""
-        if lane == "compute":
-            return self.kernel_cost_us(nbytes)
-        return self.preset.copy_latency_us + nbytes / self._rate(lane)
-
     def _copy_end_us(self, lane: str, start_us: float, nbytes: int) -> float:
         """When a copy starting at `start_us` ends: latency, then its bytes at its direction's rate, less what
         copies already scheduled the other way take of the aggregate cap meanwhile. Records its own flow."""

@@ -348,7 +348,10 @@ def test_attention_flops_forward_and_backward(causal):
     pairs = b * h * sum(min(i + 1, lk) for i in range(lq)) if causal else b * h * lq * lk
     assert fwd == Flops(2.0 * pairs * (e + ev), "fp32")
     assert bwd == Flops(2.0 * pairs * (3 * e + 2 * ev), "fp32")
-    assert set(seen) == {"_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward"}
+    assert set(seen) == {
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_flash_attention_for_cpu_backward",
+    }
 
 
 def test_matmul_on_the_simulator_is_priced_by_flops(sim_no_launch):
