@@ -64,6 +64,7 @@ def keep_states_on_host(optimizers: Iterable[Any]) -> int:
         if opt is None:
             continue
         opt.wait_for_swap_out()
+        before = moved
         for st in opt.state.values():
             for key, value in st.items():
                 if key == "step" or not isinstance(value, torch.Tensor) or device.is_host_tensor(value):
@@ -74,7 +75,7 @@ def keep_states_on_host(optimizers: Iterable[Any]) -> int:
                 home.copy_(value)
                 st[key] = home
                 moved += 1
-        if moved:
+        if moved > before:
             opt.invalidate()  # the cached host layout points at the replaced tensors
     if moved:
         logger.debug("re-homed {} optimizer states into pinned host memory", moved)
