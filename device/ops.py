@@ -105,6 +105,16 @@ def byte_range(t: torch.Tensor) -> tuple[int, int] | None:
     return offset * itemsize, (offset + span) * itemsize
 
 
+def strided_layout(t: torch.Tensor) -> tuple | None:
+    """(sizes, strides, storage offset, itemsize) when t's elements leave gaps in its byte span, else None."""
+    if t.is_contiguous() or t.numel() <= 1:
+        return None
+    span = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    if span == t.numel():
+        return None  # a permutation of a dense block touches every byte of its span
+    return tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.element_size()
+
+
 @functools.cache
 def _arg_names(func: Any) -> tuple[str, ...]:
     return tuple(a.name for a in func._schema.arguments)

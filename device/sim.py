@@ -19,6 +19,10 @@ The accelerator and the host are both "cpu" here, so `.to(device.torch_device())
 
 from __future__ import annotations
 
+import os
+import threading
+import traceback
+import warnings
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -30,11 +34,15 @@ from typing import Any
 import torch
 from loguru import logger
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from device import entry_points
 
 from device.ops import OpInfo, arg_value, byte_range, factory_bytes, new_outputs, op_info, tensors
 from device.presets import PRESETS, SimPreset, get_preset
-from device.sanitizer import HOST, Access, AccessLog, Clock, Clocks, StreamRaceError, race_message, where
+from device.ops import strided_layout
+from device.sanitizer import HOST, Access, AccessLog, Clock, Clocks, StreamRaceError, race_error, where
 from device.timeline import Timeline, TimelineOp
 
 __all__ = [
@@ -131,6 +139,7 @@ class SimStream:
 
     def synchronize(self) -> None:
         self._sim._host_wait(self._sim._clocks.snapshot(self.actor), self.tail_us)
+        self._sim._raise_pending()
 
     def query(self) -> bool:
         return self._sim._query(self._sim._clocks.snapshot(self.actor), self.tail_us)
@@ -169,6 +178,7 @@ class SimEvent:
     def synchronize(self) -> None:
         if self.clock is not None:
             self._sim._host_wait(self.clock, self.time_us)
+        self._sim._raise_pending()
 
     def elapsed_time(self, end_event: SimEvent) -> float:
         """Modeled milliseconds between this event and `end_event`, like torch.cuda.Event.elapsed_time."""
@@ -195,6 +205,40 @@ class _SimMode(TorchDispatchMode):
         if active() is not self.sim:  # an outer simulator while an inner one is active
             return func(*args, **kwargs)
         return self.sim._dispatch(func, types, args, kwargs)
+
+
+# Key in an autograd Node's metadata: the stream its forward op ran on (absent: the default stream).
+_STREAM_TAG = "swapopt_sim_stream"
+
+
+def _tag_outputs(out: Any, stream: SimStream) -> None:
+    for t in out if isinstance(out, (tuple, list)) else (out,):
+        node = getattr(t, "grad_fn", None) if isinstance(t, torch.Tensor) else None
+        if node is None:
+            continue
+        node.metadata.setdefault(_STREAM_TAG, stream)
+        # A leaf's gradient accumulator is created with the first op that uses the leaf: same stream.
+        for nxt, _ in node.next_functions:
+            if nxt is not None and type(nxt).__name__ == "AccumulateGrad":
+                nxt.metadata.setdefault(_STREAM_TAG, stream)
+
+
+class _StreamTagMode(TorchFunctionMode):
+    """Remembers, on each autograd node made while a non-default stream is current, that stream: PyTorch runs
+    a backward op on the stream of its forward op."""
+
+    def __init__(self, sim: SimDevice) -> None:
+        super().__init__()
+        self.sim = sim
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        sim = self.sim
+        if torch.is_grad_enabled() and active() is sim:
+            stream = sim.current_stream()
+            if stream is not sim._default:
+                _tag_outputs(out, stream)
+        return out
 
 
 _ACTIVE: list[SimDevice] = []
@@ -228,8 +272,14 @@ class SimDevice:
         self._labels: list[str] = []
         self._pending: StreamRaceError | None = None
         self._mode = _SimMode(self)
+        self._grad_mode = _StreamTagMode(self)
+        # Per thread: current stream (thread-local, as in PyTorch), host actor, backward bookkeeping.
+        self._tls = threading.local()
+        self._host_actors = {HOST}
+        # Stacks of accesses, for StreamRaceError.earlier_stack; off by default (it costs per op).
+        self.stacks = os.environ.get("SWAPOPT_SIM_STACKS", "0") not in ("", "0")
         self._default = self.Stream(name="compute")
-        self._current = self._default
+        self._comm: SimStream | None = None
 
     def __repr__(self) -> str:
         return f"<SimDevice {self.preset.name} capacity={_fmt_bytes(self.capacity_bytes)}>"
@@ -270,13 +320,13 @@ class SimDevice:
         return True
 
     def current_stream(self, device: Any = None) -> SimStream:
-        return self._current
+        return getattr(self._tls, "current", None) or self._default
 
     def default_stream(self, device: Any = None) -> SimStream:
         return self._default
 
     def set_stream(self, stream: SimStream) -> None:
-        self._current = stream
+        self._tls.current = stream
 
     @contextmanager
     def stream(self, stream: SimStream | None) -> Iterator[SimStream | None]:
@@ -284,17 +334,20 @@ class SimDevice:
         if stream is None:
             yield None
             return
-        previous = self._current
-        self._current = stream
+        previous = self.current_stream()
+        self._tls.current = stream
         try:
             yield stream
         finally:
-            self._current = previous
+            self._tls.current = previous
 
     def synchronize(self, device: Any = None) -> None:
+        host = self._host()
         for actor in self._clocks.actors():
-            self._clocks.merge_actor(HOST, actor)
+            if actor not in self._host_actors:
+                self._clocks.merge_actor(host, actor)
         self._timeline.wait_host(self._timeline.device_tail_us())
+        self._raise_pending()
 
     def memory_allocated(self, device: Any = None) -> int:
         return self._live
@@ -382,23 +435,23 @@ class SimDevice:
         return name
 
     def _record(self, event: SimEvent, stream: SimStream) -> None:
-        self._clocks.merge_actor(stream.actor, HOST)  # recording is a launch: it follows the host's past
+        self._clocks.merge_actor(stream.actor, self._host())  # recording is a launch: it follows the host's past
         event.clock = self._clocks.snapshot(stream.actor)
         event.time_us = max(stream.tail_us, self._timeline.host_us)
 
     def _stream_wait(self, stream: SimStream, event: SimEvent) -> None:
         if event.clock is None:  # waiting on a never-recorded event is a no-op, as in CUDA
             return
-        self._clocks.merge_actor(stream.actor, HOST)
+        self._clocks.merge_actor(stream.actor, self._host())
         self._clocks.merge(stream.actor, event.clock)
         stream.tail_us = max(stream.tail_us, event.time_us)
 
     def _host_wait(self, clock: Clock, time_us: float) -> None:
-        self._clocks.merge(HOST, clock)
+        self._clocks.merge(self._host(), clock)
         self._timeline.wait_host(time_us)
 
     def _host_has_seen(self, clock: Clock) -> bool:
-        host = self._clocks.clock(HOST)
+        host = self._clocks.clock(self._host())
         return all(host.get(actor, 0) >= epoch for actor, epoch in clock.items())
 
     def _query(self, clock: Clock, time_us: float) -> bool:
@@ -408,6 +461,145 @@ class SimDevice:
         # Polling costs host time, so a polling loop reaches the completion time.
         self._timeline.host_us += max(self.preset.launch_us, 1.0)
         return False
+
+    # ----- threads and autograd --------------------------------------------------------------
+    def _host(self) -> int:
+        """The host actor of the calling thread: the main one, or a thread started while active."""
+        return getattr(self._tls, "host", HOST)
+
+    def _fork(self) -> int:
+        """A new host actor for a thread being started: it follows everything its parent did so far."""
+        parent = self._host()
+        child = self._clocks.new_actor()
+        self._host_actors.add(child)
+        self._actor_names.append(f"host thread #{child}")
+        self._clocks.merge_actor(child, parent)
+        self._clocks.tick(parent)
+        return child
+
+    @contextmanager
+    def _thread(self, actor: int) -> Iterator[None]:
+        """Run a started thread's body under this simulator, as `actor`."""
+        self._tls.host = actor
+        modes = (_SimMode(self), _StreamTagMode(self))
+        for mode in modes:
+            mode.__enter__()
+        try:
+            yield
+        finally:
+            for mode in reversed(modes):
+                mode.__exit__(None, None, None)
+            self._clocks.retire(actor)
+
+    def _joined(self, actor: int) -> None:
+        """Thread.join returned: the joining thread follows everything the joined one did."""
+        self._clocks.merge_actor(self._host(), actor)
+
+    def _op_stream(self) -> SimStream:
+        """The stream an op runs on: the current one, or during backward the stream of the op's forward."""
+        node = torch._C._current_autograd_node()
+        if node is None:
+            return self.current_stream()
+        stream = node.metadata.get(_STREAM_TAG) or self._default
+        tls = self._tls
+        backward = getattr(tls, "backward", None)
+        if backward is None:
+            # The first backward op follows the caller's current stream (where the incoming gradient was
+            # made); when the pass ends, the caller's stream waits for every stream it used.
+            caller = self.current_stream()
+            backward = tls.backward = {"caller": caller, "streams": {caller}, "last": caller}
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        if stream is not backward["last"]:
+            # The engine orders a node after the nodes that produced its inputs; following the previous
+            # backward op over-approximates that, so it never reports a race the engine prevents.
+            stream.wait_stream(backward["last"])
+            backward["last"] = stream
+        backward["streams"].add(stream)
+        return stream
+
+    def _end_backward(self) -> None:
+        backward = getattr(self._tls, "backward", None)
+        self._tls.backward = None
+        if backward is not None:
+            for stream in backward["streams"]:
+                if stream is not backward["caller"]:
+                    backward["caller"].wait_stream(stream)
+
+    def _comm_stream(self) -> SimStream:
+        """The stream async collectives run on (like NCCL's internal stream)."""
+        if self._comm is None:
+            self._comm = self.Stream(name="collectives")
+        return self._comm
+
+    # ----- host reads outside the dispatcher ----------------------------------------------------
+    def _host_read(self, t: torch.Tensor, what: str) -> None:
+        """tolist(), numpy(), DLPack, torch.save: the host reads t's bytes without an aten op.
+        A device tensor is read by a blocking copy on the current stream, as CUDA does."""
+        if not self.sanitize or t.device.type != "cpu" or t.layout is not torch.strided:
+            return
+        storage = t.untyped_storage()
+        info = self._lookup(storage)
+        if info is None:
+            return
+        arg = _Arg(t, storage, info, "r")
+        if info.kind == DEVICE:
+            stream = self.current_stream()
+            host = self._host()
+            self._clocks.merge_actor(stream.actor, host)
+            self._check_and_log(what, [(arg, stream.actor, self._clocks.tick(stream.actor))])
+            self._clocks.merge_actor(host, stream.actor)
+            self._timeline.wait_host(stream.tail_us)
+        else:
+            host = self._host()
+            self._check_and_log(what, [(arg, host, self._clocks.tick(host))])
+
+    def _adopt(self, storage: Any, like: _Storage | None) -> None:
+        """A storage made outside the dispatcher as a copy of one whose kind is `like` (deepcopy, clone)."""
+        if like is None or self._lookup(storage) is not None:
+            return
+        stream = self.current_stream()
+        info = self._register(storage, like.kind, stream.actor if like.kind == DEVICE else HOST)
+        if info.kind == DEVICE:
+            self._allocated(info, stream)
+
+    def _allocated(self, info: _Storage, stream: SimStream) -> None:
+        """Account a device block registered outside an op: capacity, peak, allocation-stream record."""
+        if self._live > self.capacity_bytes:
+            self._live -= info.nbytes
+            info.kind = PAGEABLE
+            raise self._oom(info.nbytes)
+        self._peak = max(self._peak, self._live)
+        if self.sanitize and info.nbytes:
+            host = self._host()
+            self._clocks.merge_actor(stream.actor, host)
+            epoch = self._clocks.tick(stream.actor)
+            acc = Access(0, info.nbytes, True, stream.actor, epoch, "(allocation)", self._label(), (info.nbytes,))
+            info.log.add(acc, self._clocks)
+
+    def _loaded(self, storage: Any) -> None:
+        """A storage torch.load restored from a checkpoint saved from device memory: device memory again."""
+        if self._lookup(storage) is None:
+            stream = self.current_stream()
+            self._allocated(self._register(storage, DEVICE, stream.actor), stream)
+
+    def _saved(self, storage: Any) -> bool:
+        """torch.save reads a whole storage on the host; whether it is device memory (saved as such)."""
+        info = self._lookup(storage)
+        if info is None:
+            return False
+        with torch.utils._python_dispatch._disable_current_modes():
+            t = torch.empty(0, dtype=torch.uint8).set_(storage)
+        self._host_read(t, "torch.save")
+        return info.kind == DEVICE
+
+    def _to_param_device(self, param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """torch's Optimizer.load_state_dict casts states to param.device: a host state of a device param is
+        copied to device memory, as on CUDA (both are typed cpu here, so `.to` alone would not copy)."""
+        if self.is_host(value) and not self.is_host(param) and value.layout is torch.strided:
+            out = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype)
+            out.copy_(value)
+            return out
+        return value
 
     # ----- storages and memory -----------------------------------------------------------------
     def _lookup(self, storage: Any) -> _Storage | None:
@@ -449,9 +641,9 @@ class SimDevice:
         """A device block returns to its allocation stream's pool: other streams' unordered uses must be
         covered by record_stream, or the allocator may hand the memory out while they still run."""
         alloc_clock = self._clocks.clock(info.alloc_actor)
-        host_clock = self._clocks.clock(HOST)
+        host_clock = self._clocks.clock(self._host())
         for rec in info.log.records:
-            if rec.actor in (HOST, info.alloc_actor) or rec.actor in info.recorded:
+            if rec.actor in self._host_actors or rec.actor == info.alloc_actor or rec.actor in info.recorded:
                 continue
             if alloc_clock.get(rec.actor, 0) >= rec.epoch or host_clock.get(rec.actor, 0) >= rec.epoch:
                 continue
@@ -459,7 +651,13 @@ class SimDevice:
                 f"a device tensor of shape {tuple(rec.shape)} ({info.nbytes} bytes, storage #{info.uid}) "
                 f"allocated on {self._actor_names[info.alloc_actor]} was freed while {rec.op} on {where(rec, self._actor_names)} "
                 f"may still use it; call device.record_stream(t, stream) before dropping it or make "
-                f"{self._actor_names[info.alloc_actor]} wait for that stream"
+                f"{self._actor_names[info.alloc_actor]} wait for that stream",
+                kind="free",
+                earlier=rec,
+                stream=self._actor_names[info.alloc_actor],
+                earlier_stream=self._actor_names[rec.actor],
+                storage=info.uid,
+                nbytes=info.nbytes,
             )
             return
 
@@ -479,12 +677,17 @@ class SimDevice:
     # ----- the dispatch mode -------------------------------------------------------------------
     def _start(self) -> None:
         _ACTIVE.append(self)
+        entry_points.install()
         self._mode.__enter__()
+        self._grad_mode.__enter__()
         logger.debug("simulated device {} active", self.preset.name)
 
     def _stop(self) -> None:
+        self._grad_mode.__exit__(None, None, None)
         self._mode.__exit__(None, None, None)
         _ACTIVE.remove(self)
+        if not _ACTIVE:
+            entry_points.uninstall()
 
     def _label(self) -> str | None:
         return self._labels[-1] if self._labels else None
@@ -501,8 +704,6 @@ class SimDevice:
         return out
 
     def _dispatch(self, func: Any, types: tuple, args: tuple, kwargs: dict) -> Any:
-        if self._pending is not None:
-            self._raise_pending()
         if func.namespace == "profiler":
             return self._profiler_op(func, args, kwargs)
         for t in types:
@@ -521,8 +722,12 @@ class SimDevice:
     def _pinned_alloc(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """pin_memory=True factories and Tensor.pin_memory() give host memory, like pinned_empty."""
         if func.overloadpacket is torch.ops.aten._pin_memory:
+            # Pinning what the simulator counts as device memory (a factory tensor made while active, which
+            # CUDA code would have made on the host) gives a pinned host copy, as pinning a CPU tensor does.
+            # Such a tensor was written synchronously in that code, so the copy follows the current stream.
             if not self.is_host(args[0]):
-                raise RuntimeError("cannot pin device memory: only dense host (CPU) tensors can be pinned")
+                stream = self.current_stream()
+                self._host_wait(self._clocks.snapshot(stream.actor), stream.tail_us)
             func, args, kwargs = torch.ops.aten.clone.default, args[:1], {}
         else:
             kwargs = {**kwargs, "pin_memory": False}  # a CPU-only torch cannot pin
@@ -562,8 +767,9 @@ class SimDevice:
     def _host_op(self, func: Any, op: OpInfo, args: tuple, kwargs: dict, accesses: list[_Arg]) -> Any:
         tracked = [a for a in accesses if a.info is not None]
         if self.sanitize and tracked:
-            epoch = self._clocks.tick(HOST)
-            self._check_and_log(op.name, [(a, HOST, epoch) for a in tracked])
+            host = self._host()
+            epoch = self._clocks.tick(host)
+            self._check_and_log(op.name, [(a, host, epoch) for a in tracked])
         out = func(*args, **kwargs)
         if self._host_alloc:
             for t in new_outputs(func, out):
@@ -585,7 +791,7 @@ class SimDevice:
         has_device: bool,
         has_input: bool,
     ) -> Any:
-        stream = self._current
+        stream = self._op_stream()
         if has_device and not (op.copy or op.mixed_ok) and any(a.writes for a in accesses):
             self._check_same_device(op, accesses)
         if not has_input:  # a factory: refuse before allocating
@@ -594,7 +800,8 @@ class SimDevice:
                 raise self._oom(need)
         lane, blocking, staged_src = self._lane(func, op, args, kwargs, accesses)
 
-        self._clocks.merge_actor(stream.actor, HOST)  # a launch follows everything the host did before it
+        host = self._host()
+        self._clocks.merge_actor(stream.actor, host)  # a launch follows everything the host did before it
         epoch = self._clocks.tick(stream.actor)
         if self.sanitize and accesses:
             # Copies access host memory from the stream; other kernels only take host scalars, read at launch.
@@ -602,8 +809,8 @@ class SimDevice:
             plan = []
             for a in accesses:
                 if a.host_side and (not op.copy or (staged_src and not a.writes)):
-                    host_epoch = host_epoch or self._clocks.tick(HOST)
-                    plan.append((a, HOST, host_epoch))
+                    host_epoch = host_epoch or self._clocks.tick(host)
+                    plan.append((a, host, host_epoch))
                 else:
                     plan.append((a, stream.actor, epoch))
             self._check_and_log(op.name, plan)
@@ -640,7 +847,7 @@ class SimDevice:
         timed = self._timeline.launch(stream.name, stream.tail_us, lane, nbytes, op.name, self._label())
         stream.tail_us = timed.end_us
         if blocking:
-            self._clocks.merge_actor(HOST, stream.actor)
+            self._clocks.merge_actor(host, stream.actor)
             self._timeline.wait_host(timed.end_us)
         return out
 
@@ -666,7 +873,8 @@ class SimDevice:
     def _check_same_device(op: OpInfo, accesses: list[_Arg]) -> None:
         """An in-place kernel cannot mix device memory with host arrays (0-dim CPU scalars are fine), as on CUDA.
         Out-of-place ops are let through so that tests can compare host and device tensors directly."""
-        big = [a for a in accesses if a.host_side and a.tensor.dim() > 0]
+        # 0-dim and 1-element host tensors (a fused kernel's lr of any rank) are read at launch, as torch allows.
+        big = [a for a in accesses if a.host_side and a.tensor.numel() > 1]
         if big and len(big) < len(accesses):
             raise RuntimeError(
                 f"Expected all tensors to be on the same device: {op.name} mixes device tensors with a host "
@@ -688,6 +896,7 @@ class SimDevice:
     def _check_and_log(self, name: str, plan: list[tuple[_Arg, int, int]]) -> None:
         """Check every access of one op against the logs before any is recorded, then record them all."""
         label = self._label()
+        stack = traceback.format_stack()[:-3] if self.stacks else None
         staged = []
         for a, actor, epoch in plan:
             rng = byte_range(a.tensor)
@@ -695,19 +904,22 @@ class SimDevice:
                 continue
             info = a.info if a.info is not None else self._register(a.storage, PAGEABLE)
             a.info = info
-            acc = Access(rng[0], rng[1], a.writes, actor, epoch, name, label, a.tensor.shape)
+            acc = Access(
+                rng[0], rng[1], a.writes, actor, epoch, name, label, a.tensor.shape, strided_layout(a.tensor), stack
+            )
             staged.append((info, acc))
         for info, acc in staged:
             rec = info.log.conflict(acc, self._clocks)
             if rec is not None:
-                raise StreamRaceError(race_message(acc, rec, info.uid, info.nbytes, self._actor_names))
+                raise race_error(acc, rec, info.uid, info.nbytes, self._actor_names)
         for info, acc in staged:
             info.log.add(acc, self._clocks)
 
     def _log_new(self, t: torch.Tensor, info: _Storage, stream: SimStream, epoch: int, name: str) -> None:
         rng = byte_range(t)
         if rng is not None:
-            acc = Access(rng[0], rng[1], True, stream.actor, epoch, name, self._label(), t.shape)
+            stack = traceback.format_stack()[:-3] if self.stacks else None
+            acc = Access(rng[0], rng[1], True, stream.actor, epoch, name, self._label(), t.shape, None, stack)
             info.log.add(acc, self._clocks)
 
 
@@ -727,8 +939,7 @@ def activate(
         yield sim
     finally:
         sim._stop()
-        if sim._pending is not None:  # no later op to report it at
-            logger.warning("{}", sim._pending)
+    sim._raise_pending()  # a race found at a free, not yet reported at a synchronize
 
 
 def process_device() -> SimDevice:

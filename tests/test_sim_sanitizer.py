@@ -63,6 +63,7 @@ def test_wait_on_unrelated_event_does_not_order(sim):
     sim.current_stream().wait_event(other.record_event())
     with pytest.raises(StreamRaceError):
         dst.add_(1)
+    sim.synchronize()  # the side stream's work is done before its tensors are freed
 
 
 def test_event_recorded_before_the_copy_does_not_order(sim):
@@ -72,6 +73,7 @@ def test_event_recorded_before_the_copy_does_not_order(sim):
     sim.current_stream().wait_event(early)
     with pytest.raises(StreamRaceError):
         dst.neg()
+    sim.synchronize()  # the side stream's work is done before its tensors are freed
 
 
 def _d2h(sim, stream, n=256):
@@ -133,6 +135,7 @@ def test_item_makes_the_host_wait(sim):
         host.copy_(x, non_blocking=True)
     with pytest.raises(StreamRaceError):
         host.mean()  # this D2H is still in flight
+    sim.synchronize()  # the side stream's work is done before its tensors are freed
 
 
 def test_side_stream_overwrite_of_buffer_compute_still_reads_races(sim):
@@ -158,6 +161,7 @@ def test_side_stream_overwrite_after_wait_passes(sim):
     host.fill_(0.5)
     with sim.stream(side):
         buf.copy_(host, non_blocking=True)
+    sim.synchronize()  # the side stream's work is done before its tensors are freed
 
 
 def test_two_streams_reading_do_not_race(sim):
@@ -168,6 +172,7 @@ def test_two_streams_reading_do_not_race(sim):
         a = x * 2
     b = x * 3  # read/read is never a race
     assert a.shape == b.shape
+    sim.synchronize()  # the side stream's work is done before its tensors are freed
 
 
 def test_pageable_h2d_releases_source_at_return(sim):
@@ -180,6 +185,7 @@ def test_pageable_h2d_releases_source_at_return(sim):
     src.add_(1)  # the host staged the pageable source before the call returned
     with pytest.raises(StreamRaceError):
         dst.sum()  # but the device write still needs a wait
+    sim.synchronize()  # the side stream's work is done before its tensors are freed
 
 
 def test_foreach_ops_are_tracked(sim):
@@ -208,6 +214,7 @@ def test_out_argument_counts_as_write(sim):
         torch.add(x, 1, out=out)
     with pytest.raises(StreamRaceError):
         out.sum()
+    sim.synchronize()  # the side stream's work is done before its tensors are freed
 
 
 def test_mixing_device_and_host_tensors_fails_like_cuda(sim):
@@ -239,8 +246,22 @@ def test_freed_without_record_stream_is_reported(sim):
     with sim.stream(side):
         staging.copy_(host, non_blocking=True)
     del staging  # compute may reuse the block while the side-stream copy still runs
+    torch.ones(1)  # an unrelated op does not report it...
+    with pytest.raises(StreamRaceError, match="record_stream") as err:
+        sim.synchronize()  # ...the next synchronize does
+    assert err.value.kind == "free" and err.value.earlier_stream == "stream#1"
+    assert err.value.earlier_op == "aten.copy_.default"
+
+
+def test_race_found_at_free_fails_at_activate_exit(clean_device_env):
     with pytest.raises(StreamRaceError, match="record_stream"):
-        torch.ones(1)
+        with simulator.activate() as sim:
+            side = sim.Stream()
+            staging = torch.empty(64)
+            side.wait_stream(sim.default_stream())
+            with sim.stream(side):
+                staging.mul_(2)
+            del staging
 
 
 def test_record_stream_makes_free_safe(sim):
