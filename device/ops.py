@@ -60,12 +60,17 @@ def op_info(func: Any) -> OpInfo:
     schema = func._schema
     packet = func.overloadpacket
     metadata = packet in _METADATA or packet in _LIKE
+    # Collectives' schemas carry no alias annotations, yet they write their tensors in place (every rank
+    # but the source receives data) and return those same tensors.
+    collective = schema.name.startswith("c10d::")
     roles = []
     for i, arg in enumerate(schema.arguments):
         if "Tensor" not in str(arg.type):
             continue
         alias = arg.alias_info
-        if metadata or (alias is not None and not alias.is_write):
+        if collective:
+            role = "w"
+        elif metadata or (alias is not None and not alias.is_write):
             role = "v"
         elif alias is not None:
             role = "o" if arg.kwarg_only else "w"
@@ -76,8 +81,8 @@ def op_info(func: Any) -> OpInfo:
     return OpInfo(
         name=str(func),
         roles=tuple(roles),
-        new_outputs=any(r.alias_info is None and "Tensor" in str(r.type) for r in returns),
-        value_return=any("Tensor" not in str(r.type) for r in returns),
+        new_outputs=not collective and any(r.alias_info is None and "Tensor" in str(r.type) for r in returns),
+        value_return=not collective and any("Tensor" not in str(r.type) for r in returns),  # Work: no wait
         copy=packet in _COPY,
         alloc_only=packet in _ALLOC_ONLY,
         mixed_ok=packet in _MIXED_OK,
