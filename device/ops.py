@@ -37,6 +37,7 @@ _LIKE = _packets(
 ) | _ALLOC_ONLY  # fmt: skip
 _LIFT_COPY = _packets("lift_fresh_copy")
 _LOCAL_SCALAR = _packets("_local_scalar_dense")
+_RESIZE = _packets("resize_")
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,7 @@ class OpInfo:
     sync: bool
     lift_copy: bool
     local_scalar: bool
+    resize: bool
 
 
 @functools.cache
@@ -89,6 +91,7 @@ def op_info(func: Any) -> OpInfo:
         sync=packet in _SYNC,
         lift_copy=packet in _LIFT_COPY,
         local_scalar=packet in _LOCAL_SCALAR,
+        resize=packet in _RESIZE,
     )
 
 

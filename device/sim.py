@@ -19,6 +19,7 @@ The accelerator and the host are both "cpu" here, so `.to(device.torch_device())
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import traceback
@@ -40,6 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from device import entry_points
 
 from device.ops import OpInfo, arg_value, byte_range, factory_bytes, new_outputs, op_info, tensors
+from device.memory import Block, DeviceMemory
 from device.presets import PRESETS, SimPreset, get_preset
 from device.ops import strided_layout
 from device.sanitizer import HOST, Access, AccessLog, Clock, Clocks, StreamRaceError, race_error, where
@@ -83,6 +85,7 @@ class _Storage:
     alloc_actor: int  # the stream whose pool the block returns to when freed
     log: AccessLog = field(default_factory=AccessLog)
     recorded: set[int] = field(default_factory=set)  # streams named by record_stream
+    block: Block | None = None  # what the allocator model holds for it (device storages)
 
 
 @dataclass(slots=True)
@@ -118,6 +121,7 @@ class SimStream:
     def __init__(self, device: Any = None, priority: int = 0, *, name: str | None = None) -> None:
         sim = self._sim
         self.actor = sim._clocks.new_actor()
+        sim._streams[self.actor] = self
         self.name = sim._name_actor(self.actor, name)
         # A dropped stream launches nothing more: its clock no longer keeps old accesses alive.
         weakref.finalize(self, sim._clocks.retire, self.actor).atexit = False
@@ -251,10 +255,18 @@ class SimDevice:
     OutOfMemoryError = OutOfMemoryError
 
     def __init__(
-        self, preset: str | SimPreset = "h100", capacity_bytes: int | None = None, sanitize: bool = True
+        self,
+        preset: str | SimPreset = "h100",
+        capacity_bytes: int | None = None,
+        sanitize: bool = True,
+        allocator: str = "exact",
     ) -> None:
         self.preset = get_preset(preset)
         self.capacity_bytes = int(capacity_bytes if capacity_bytes is not None else self.preset.capacity_bytes)
+        if allocator not in ("exact", "caching"):
+            raise ValueError(f"allocator must be 'exact' or 'caching', got {allocator!r}")
+        self._mem = DeviceMemory(self.capacity_bytes, caching=allocator == "caching")
+        self._streams: weakref.WeakValueDictionary[int, SimStream] = weakref.WeakValueDictionary()
         self.sanitize = sanitize
         # Per-instance classes so that `isinstance(s, dev.Stream)` works and streams know their device.
         self.Stream = type("Stream", (SimStream,), {"_sim": self})
@@ -263,8 +275,6 @@ class SimDevice:
         self._timeline = Timeline(self.preset)
         self._storages: dict[int, _Storage] = {}  # StorageImpl address -> info; entries die with the storage
         self._uid = 0
-        self._live = 0
-        self._peak = 0
         self._live_host = 0
         self._peak_host = 0
         self._actor_names = ["host"]
@@ -349,34 +359,42 @@ class SimDevice:
         self._timeline.wait_host(self._timeline.device_tail_us())
         self._raise_pending()
 
+    def _memory(self) -> DeviceMemory:
+        self._mem.process_deferred(self._timeline.host_us)
+        return self._mem
+
     def memory_allocated(self, device: Any = None) -> int:
-        return self._live
+        return self._memory().allocated
 
     def max_memory_allocated(self, device: Any = None) -> int:
-        return self._peak
+        return self._memory().peak_allocated
 
     def reset_peak_memory_stats(self, device: Any = None) -> None:
-        self._peak = self._live
+        self._memory().reset_peaks()
         self._peak_host = self._live_host
 
     reset_max_memory_allocated = reset_peak_memory_stats
 
-    # No caching allocator: reserved memory is what live tensors hold.
-    memory_reserved = memory_allocated
-    max_memory_reserved = max_memory_allocated
+    def memory_reserved(self, device: Any = None) -> int:
+        """Bytes held in segments (allocator="caching"); equal to memory_allocated with exact accounting."""
+        return self._memory().reserved
+
+    def max_memory_reserved(self, device: Any = None) -> int:
+        return self._memory().peak_reserved
 
     def empty_cache(self) -> None:
-        pass
+        self._memory().empty_cache()
 
     def mem_get_info(self, device: Any = None) -> tuple[int, int]:
-        return max(self.capacity_bytes - self._live, 0), self.capacity_bytes
+        return max(self.capacity_bytes - self._memory().reserved, 0), self.capacity_bytes
 
     def memory_stats(self, device: Any = None) -> dict[str, int]:
+        mem = self._memory()
         return {
-            "allocated_bytes.all.current": self._live,
-            "allocated_bytes.all.peak": self._peak,
-            "reserved_bytes.all.current": self._live,
-            "reserved_bytes.all.peak": self._peak,
+            "allocated_bytes.all.current": mem.allocated,
+            "allocated_bytes.all.peak": mem.peak_allocated,
+            "reserved_bytes.all.current": mem.reserved,
+            "reserved_bytes.all.peak": mem.peak_reserved,
         }
 
     # ----- simulator extras --------------------------------------------------------------------
@@ -563,12 +581,7 @@ class SimDevice:
             self._allocated(info, stream)
 
     def _allocated(self, info: _Storage, stream: SimStream) -> None:
-        """Account a device block registered outside an op: capacity, peak, allocation-stream record."""
-        if self._live > self.capacity_bytes:
-            self._live -= info.nbytes
-            info.kind = PAGEABLE
-            raise self._oom(info.nbytes)
-        self._peak = max(self._peak, self._live)
+        """A device block registered outside an op (already accounted): its allocation-stream record."""
         if self.sanitize and info.nbytes:
             host = self._host()
             self._clocks.merge_actor(stream.actor, host)
@@ -610,11 +623,15 @@ class SimDevice:
         key = storage._cdata
         info = _Storage(self._uid, kind, storage.nbytes(), actor)
         self._storages[key] = info
+        if kind == DEVICE:
+            block = self._memory().allocate(info.nbytes)
+            if block is None:
+                del self._storages[key]
+                raise self._oom(info.nbytes)
+            info.block = block
         finalizer = weakref.finalize(storage, self._on_free, key, self._uid)
         finalizer.atexit = False
-        if kind == DEVICE:
-            self._live += info.nbytes
-        elif kind == HOST_MEM:
+        if kind == HOST_MEM:
             self._live_host += info.nbytes
             self._peak_host = max(self._peak_host, self._live_host)
         return info
@@ -622,7 +639,7 @@ class SimDevice:
     def _forget(self, storage: Any) -> None:
         info = self._storages.pop(storage._cdata, None)
         if info is not None and info.kind == DEVICE:
-            self._live -= info.nbytes
+            self._mem.free(info.block)
 
     def _on_free(self, key: int, uid: int) -> None:
         info = self._storages.get(key)
@@ -633,7 +650,15 @@ class SimDevice:
             self._live_host -= info.nbytes
         if info.kind != DEVICE:
             return
-        self._live -= info.nbytes
+        # The caching allocator reuses a block freed after record_stream only once the recorded streams'
+        # queued work is done; until then it still counts as allocated. (Exact accounting: live storages.)
+        ready = 0.0
+        if self._mem.caching:
+            ready = max((s.tail_us for a in info.recorded if (s := self._streams.get(a)) is not None), default=0.0)
+        if ready > self._timeline.host_us:
+            self._mem.free_after(info.block, ready)
+        else:
+            self._mem.free(info.block)
         if self.sanitize and self._pending is None:
             self._check_free(info)
 
@@ -662,11 +687,13 @@ class SimDevice:
             return
 
     def _oom(self, need: int) -> OutOfMemoryError:
-        free = max(self.capacity_bytes - self._live, 0)
+        mem = self._mem
+        free = max(self.capacity_bytes - mem.reserved, 0)
         return OutOfMemoryError(
             f"Simulated {self.preset.name} out of memory. Tried to allocate {_fmt_bytes(need)}. Device 0 has a "
             f"total capacity of {_fmt_bytes(self.capacity_bytes)} of which {_fmt_bytes(free)} is free. "
-            f"{_fmt_bytes(self._live)} is allocated by live tensors."
+            f"{_fmt_bytes(mem.allocated)} is allocated by live tensors and {_fmt_bytes(mem.reserved - mem.allocated)} "
+            f"is reserved but unallocated."
         )
 
     def _raise_pending(self) -> None:
@@ -752,6 +779,8 @@ class SimDevice:
                 has_device = has_device or (info is not None and info.kind == DEVICE)
                 tensor_args.append(_Arg(t, storage, info, role))
         accesses = [a for a in tensor_args if a.role != "v"]
+        if op.resize and has_device:
+            self._check_resize(func, args, kwargs, tensor_args)
         if not accesses and not op.new_outputs:
             out = func(*args, **kwargs)  # views and metadata
             if has_device:
@@ -796,7 +825,7 @@ class SimDevice:
             self._check_same_device(op, accesses)
         if not has_input:  # a factory: refuse before allocating
             need = factory_bytes(func, args, kwargs)
-            if self._live + need > self.capacity_bytes:
+            if not self._memory().fits(need):
                 raise self._oom(need)
         lane, blocking, staged_src = self._lane(func, op, args, kwargs, accesses)
 
@@ -819,16 +848,16 @@ class SimDevice:
 
         new = new_outputs(func, out)
         created = []
-        for t in new:
-            storage = t.untyped_storage()
-            if self._lookup(storage) is None:
-                created.append((t, storage, self._register(storage, DEVICE, stream.actor)))
-        self._refresh_sizes(tensor_args)
-        if self._live > self.capacity_bytes:
+        try:
+            for t in new:
+                storage = t.untyped_storage()
+                if self._lookup(storage) is None:
+                    created.append((t, storage, self._register(storage, DEVICE, stream.actor)))
+        except OutOfMemoryError:  # the op's outputs are dropped, as if the allocation had failed
             for _, storage, _ in created:
                 self._forget(storage)
-            raise self._oom(sum(info.nbytes for _, _, info in created))
-        self._peak = max(self._peak, self._live)
+            raise
+        self._refresh_sizes(tensor_args)
         if self.sanitize:
             # A fresh block is safe to use on its allocation stream only: the caching allocator may hand out
             # memory whose last user on that stream is still queued, so other streams must wait for it first.
@@ -890,8 +919,25 @@ class SimDevice:
             if info is not None and info.kind == DEVICE:
                 nbytes = a.storage.nbytes()
                 if nbytes != info.nbytes:
-                    self._live += nbytes - info.nbytes
-                    info.nbytes = nbytes
+                    # A resize takes a new block, copies and frees the old one: the peak holds both.
+                    block = self._mem.allocate(nbytes)
+                    self._mem.free(info.block)
+                    if block is None:  # resized behind the dispatcher: past capacity, report it now
+                        info.block, info.nbytes = Block(0), 0
+                        raise self._oom(nbytes)
+                    info.block, info.nbytes = block, nbytes
+
+    def _check_resize(self, func: Any, args: tuple, kwargs: dict, tensor_args: list[_Arg]) -> None:
+        """resize_ of a device tensor beyond what fits raises before resizing, like the allocator."""
+        size = arg_value(func, args, kwargs, "size")
+        if not tensor_args or not isinstance(size, (list, tuple)):
+            return
+        a = tensor_args[0]
+        if a.info is None or a.info.kind != DEVICE:
+            return
+        need = (a.tensor.storage_offset() + math.prod(size)) * a.tensor.element_size()
+        if need > a.info.nbytes and not self._memory().fits(need):
+            raise self._oom(need)
 
     def _check_and_log(self, name: str, plan: list[tuple[_Arg, int, int]]) -> None:
         """Check every access of one op against the logs before any is recorded, then record them all."""
@@ -930,10 +976,16 @@ def active() -> SimDevice | None:
 
 @contextmanager
 def activate(
-    preset: str | SimPreset = "h100", capacity_bytes: int | None = None, sanitize: bool = True
+    preset: str | SimPreset = "h100",
+    capacity_bytes: int | None = None,
+    sanitize: bool = True,
+    allocator: str = "exact",
 ) -> Iterator[SimDevice]:
-    """Run the block on a fresh simulated device; `device.get_device()` is "sim" inside."""
-    sim = SimDevice(preset, capacity_bytes, sanitize)
+    """Run the block on a fresh simulated device; `device.get_device()` is "sim" inside.
+
+    allocator: "exact" counts live storages byte for byte; "caching" models PyTorch's CUDA caching
+    allocator (512-byte blocks, reserved segments, empty_cache, OOM judged on reserved memory)."""
+    sim = SimDevice(preset, capacity_bytes, sanitize, allocator)
     sim._start()
     try:
         yield sim
