@@ -120,11 +120,19 @@ def _elements(acc: Access) -> int:
 
 
 class Clocks:
-    """One vector clock per actor."""
+    """One vector clock per actor.
+
+    Per-op cost must not grow with every stream ever made: a retired actor (a dropped stream, a finished
+    thread) whose last epoch every live actor has seen can never race again, so it is compacted away:
+    its entries leave every clock and its records count as ordered."""
+
+    _COMPACT_AT = 32  # retired actors waiting before a compaction pass
 
     def __init__(self) -> None:
         self._vc: list[Clock] = [{HOST: 0}]
         self._live: list[int] = [HOST]  # actors that can still run ops
+        self._retired: list[int] = []
+        self._compacted: set[int] = set()
 
     def new_actor(self) -> int:
         actor = len(self._vc)
@@ -134,12 +142,30 @@ class Clocks:
 
     def retire(self, actor: int) -> None:
         self._live.remove(actor)
+        self._retired.append(actor)
+        if len(self._retired) >= self._COMPACT_AT:
+            self.compact()
+
+    def compact(self) -> None:
+        """Drop retired actors that every live actor has caught up with."""
+        waiting = []
+        for actor in self._retired:
+            last = self._vc[actor].get(actor, 0)
+            if all(self._vc[b].get(actor, 0) >= last for b in self._live):
+                self._compacted.add(actor)
+                for b in self._live:
+                    self._vc[b].pop(actor, None)
+                self._vc[actor] = {}
+            else:
+                waiting.append(actor)
+        self._retired = waiting
 
     def clock(self, actor: int) -> Clock:
         return self._vc[actor]
 
-    def actors(self) -> range:
-        return range(len(self._vc))
+    def actors(self) -> list[int]:
+        """Actors that can still run ops (retired ones left nothing a live actor has not seen or will)."""
+        return list(self._live) + list(self._retired)
 
     def tick(self, actor: int) -> int:
         clock = self._vc[actor]
@@ -151,8 +177,9 @@ class Clocks:
 
     def merge(self, actor: int, other: Clock) -> None:
         clock = self._vc[actor]
+        compacted = self._compacted
         for a, e in other.items():
-            if clock.get(a, 0) < e:
+            if clock.get(a, 0) < e and a not in compacted:
                 clock[a] = e
 
     def merge_actor(self, actor: int, other_actor: int) -> None:
@@ -160,11 +187,16 @@ class Clocks:
 
     def ordered(self, acc: Access, actor: int) -> bool:
         """Whether `acc` happens before the next op of `actor`."""
-        return acc.actor == actor or self._vc[actor].get(acc.actor, 0) >= acc.epoch
+        return acc.actor == actor or self._vc[actor].get(acc.actor, 0) >= acc.epoch or acc.actor in self._compacted
+
+    def has_seen(self, actor: int, clock: Clock) -> bool:
+        """Whether `actor` has seen every epoch in `clock`."""
+        mine = self._vc[actor]
+        return all(mine.get(a, 0) >= e or a in self._compacted for a, e in clock.items())
 
     def seen_by_all(self, acc: Access) -> bool:
         """Whether every actor is already ordered after `acc`: it can never race again."""
-        return all(self._vc[a].get(acc.actor, 0) >= acc.epoch for a in self._live)
+        return acc.actor in self._compacted or all(self._vc[a].get(acc.actor, 0) >= acc.epoch for a in self._live)
 
 
 class AccessLog:

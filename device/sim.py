@@ -357,6 +357,7 @@ class SimDevice:
             if actor not in self._host_actors:
                 self._clocks.merge_actor(host, actor)
         self._timeline.wait_host(self._timeline.device_tail_us())
+        self._clocks.compact()  # dropped streams the host has now seen stop costing anything
         self._raise_pending()
 
     def _memory(self) -> DeviceMemory:
@@ -469,8 +470,7 @@ class SimDevice:
         self._timeline.wait_host(time_us)
 
     def _host_has_seen(self, clock: Clock) -> bool:
-        host = self._clocks.clock(self._host())
-        return all(host.get(actor, 0) >= epoch for actor, epoch in clock.items())
+        return self._clocks.has_seen(self._host(), clock)
 
     def _query(self, clock: Clock, time_us: float) -> bool:
         if self._timeline.host_us >= time_us:
