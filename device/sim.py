@@ -208,7 +208,8 @@ class _SimMode(TorchDispatchMode):
         kwargs = kwargs or {}
         if active() is not self.sim:  # an outer simulator while an inner one is active
             return func(*args, **kwargs)
-        return self.sim._dispatch(func, types, args, kwargs)
+        with self.sim._lock:  # threads share the simulator's clocks, logs and memory model
+            return self.sim._dispatch(func, types, args, kwargs)
 
 
 # Key in an autograd Node's metadata: the stream its forward op ran on (absent: the default stream).
@@ -285,6 +286,7 @@ class SimDevice:
         self._grad_mode = _StreamTagMode(self)
         # Per thread: current stream (thread-local, as in PyTorch), host actor, backward bookkeeping.
         self._tls = threading.local()
+        self._lock = threading.RLock()
         self._host_actors = {HOST}
         # Stacks of accesses, for StreamRaceError.earlier_stack; off by default (it costs per op).
         self.stacks = os.environ.get("SWAPOPT_SIM_STACKS", "0") not in ("", "0")
@@ -553,6 +555,10 @@ class SimDevice:
     def _host_read(self, t: torch.Tensor, what: str) -> None:
         """tolist(), numpy(), DLPack, torch.save: the host reads t's bytes without an aten op.
         A device tensor is read by a blocking copy on the current stream, as CUDA does."""
+        with self._lock:
+            self._host_read_locked(t, what)
+
+    def _host_read_locked(self, t: torch.Tensor, what: str) -> None:
         if not self.sanitize or t.device.type != "cpu" or t.layout is not torch.strided:
             return
         storage = t.untyped_storage()
@@ -642,6 +648,10 @@ class SimDevice:
             self._mem.free(info.block)
 
     def _on_free(self, key: int, uid: int) -> None:
+        with self._lock:
+            self._free(key, uid)
+
+    def _free(self, key: int, uid: int) -> None:
         info = self._storages.get(key)
         if info is None or info.uid != uid:
             return

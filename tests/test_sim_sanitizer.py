@@ -358,3 +358,51 @@ def test_block_allocated_on_compute_needs_a_wait_before_side_stream_use(sim):
         own = torch.empty(32)  # allocated on the side stream itself
         own.copy_(host, non_blocking=True)
     device.record_stream(own, side)
+
+
+def test_race_error_carries_both_accesses(sim):
+    sim.stacks = True
+    side = sim.Stream()
+    _, dst = _h2d_on(sim, side)
+    with pytest.raises(StreamRaceError) as err:
+        dst.sum()
+    e = err.value
+    assert e.kind == "access" and e.stream == "compute" and e.earlier_stream == "stream#1"
+    assert e.op == "aten.sum.default" and e.earlier_op == "aten.copy_.default"
+    assert e.access.write is False and e.earlier.write is True and e.storage is not None
+    assert any("_h2d_on" in frame for frame in e.earlier_stack)
+    assert "earlier access made at" in str(e) and "_h2d_on" in str(e)
+    sim.synchronize()
+
+
+def test_strided_views_of_one_tensor_are_judged_by_elements(sim):
+    x = torch.zeros(64)
+    side = sim.Stream()
+    side.wait_stream(sim.default_stream())
+    with sim.stream(side):
+        x[0::2].fill_(1.0)
+    x[1::2].fill_(2.0)  # disjoint elements: no race
+    with pytest.raises(StreamRaceError):
+        x[0::4].fill_(3.0)  # shares elements with the side stream's write
+    sim.synchronize()
+    assert torch.equal(x[0::2], torch.ones(32)) and torch.equal(x[1::2], torch.full((32,), 2.0))
+
+
+def test_checkpoint_save_needs_the_swap_out_wait(sim, monkeypatch):
+    """Without waiting for in-flight D2H copies, saving the swapped states reads them too early."""
+    import io
+
+    from swapopt import SwapOptimizer
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(256)) for _ in range(4)]
+    opt = SwapOptimizer(torch.optim.AdamW(params), swap_optimizer_times=2)
+    for p in params:
+        p.grad = torch.randn(256)
+    opt.step()
+    monkeypatch.setattr(SwapOptimizer, "wait_for_swap_out", lambda self, params=None: None)
+    with pytest.raises(StreamRaceError):
+        torch.save(opt.state_dict(), io.BytesIO())
+    monkeypatch.undo()
+    torch.save(opt.state_dict(), io.BytesIO())  # with the wait: clean
+    sim.synchronize()
