@@ -1,20 +1,26 @@
 """A simulated accelerator on CPU that fails where a real one would.
 
 All tensors are real CPU tensors and every op runs eagerly, so data are always right. While a
-simulator is active, a TorchDispatchMode sees every aten op and
-- classifies storages: *host* (pinned_empty, pin_memory=True, Tensor.pin_memory()), *pageable*
-  (created before activation, `torch.tensor(...)` literals, outputs of ops that read only host-side
-  tensors and name no device) and *device* (everything else created while active);
-- runs each op touching device memory on the current stream, every other op on the host, and checks
-  its reads and writes (from the op schema, per byte range) against earlier accesses that no event
-  wait, stream wait or synchronize orders before it (`StreamRaceError`);
-- accounts live device bytes against a capacity (`torch.OutOfMemoryError`);
+simulator is active, a TorchDispatchMode (device/modes.py) hands it every aten op, on every thread
+started while it is active, and it
+- classifies storages (device/dispatch.py): *host* (pinned_empty, pin_memory=True, Tensor.pin_memory()),
+  *pageable* (created before activation, `torch.tensor(...)` literals, outputs of ops that read only
+  host-side tensors and name no device) and *device* (everything else created while active, and
+  copies of device memory made outside the dispatcher: deepcopy, storage clones, torch.load);
+- runs each op touching device memory on a stream (the thread's current one; in backward, the stream
+  of the forward op), every other op on the thread's host actor, and checks its reads and writes (from
+  the op schema, on the exact elements of strided views) against earlier accesses that no event wait,
+  stream wait, synchronize or thread join orders before it (device/sanitizer.py, `StreamRaceError`);
+- accounts device memory against a capacity (device/memory.py, `torch.OutOfMemoryError`);
 - places each op on a deterministic timeline (device/timeline.py).
-Inactive, it costs nothing: no mode is pushed.
+Entry points the dispatcher does not see (host reads through tolist / numpy / DLPack / torch.save,
+record_stream with a simulated stream, `.cuda()`, threads, async collectives) are wrapped while a
+simulator is active (device/entry_points.py). Inactive, it costs nothing: no mode is pushed.
 
 The accelerator and the host are both "cpu" here, so `.to(device.torch_device())`, `.cpu()` and
 `.to("cpu")` without a dtype change return the tensor itself: move data with explicit buffers and
-`copy_`. `Tensor.tolist()` and `.numpy()` read data without an aten op and are not checked.
+`copy_`. torch's own `Optimizer.load_state_dict`, which casts states to `param.device`, does copy
+host states of device params to device memory.
 """
 
 from __future__ import annotations
@@ -23,11 +29,9 @@ import math
 import os
 import threading
 import traceback
-import warnings
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -35,16 +39,17 @@ from typing import Any
 import torch
 from loguru import logger
 from torch._subclasses.fake_tensor import FakeTensor
-from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from device import entry_points
-
-from device.ops import OpInfo, arg_value, byte_range, factory_bytes, new_outputs, op_info, tensors
+from device.dispatch import DEVICE, HOST_MEM, PAGEABLE, check_same_device, op_lane
+from device.dispatch import Arg as _Arg
+from device.dispatch import StorageInfo as _Storage
 from device.memory import Block, DeviceMemory
+from device.modes import _ACTIVE, _STREAM_TAG, _SimMode, _StreamTagMode, active
+from device.ops import OpInfo, arg_value, byte_range, factory_bytes, new_outputs, op_info, strided_layout, tensors
 from device.presets import PRESETS, SimPreset, get_preset
-from device.ops import strided_layout
-from device.sanitizer import HOST, Access, AccessLog, Clock, Clocks, StreamRaceError, race_error, where
+from device.sanitizer import HOST, Access, Clock, Clocks, StreamRaceError, race_error, where
+from device.streams import SimEvent, SimStream
 from device.timeline import Timeline, TimelineOp
 
 __all__ = [
@@ -62,7 +67,6 @@ __all__ = [
 
 OutOfMemoryError = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 
-DEVICE, HOST_MEM, PAGEABLE = "device", "host", "pageable"
 
 # Tensor types whose __torch_dispatch__ is this one have no subclass behavior (plain tensors, Parameter).
 _PLAIN_DISPATCH = torch.Tensor.__torch_dispatch__
@@ -77,176 +81,9 @@ def _fmt_bytes(n: float) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
 
 
-@dataclass(eq=False)
-class _Storage:
-    uid: int
-    kind: str
-    nbytes: int
-    alloc_actor: int  # the stream whose pool the block returns to when freed
-    log: AccessLog = field(default_factory=AccessLog)
-    recorded: set[int] = field(default_factory=set)  # streams named by record_stream
-    block: Block | None = None  # what the allocator model holds for it (device storages)
 
 
-@dataclass(slots=True)
-class _Arg:
-    tensor: torch.Tensor
-    storage: Any
-    info: _Storage | None
-    role: str
 
-    @property
-    def host_side(self) -> bool:
-        return self.info is None or self.info.kind != DEVICE
-
-    @property
-    def pageable(self) -> bool:
-        return self.info is None or self.info.kind == PAGEABLE
-
-    @property
-    def writes(self) -> bool:
-        return self.role in ("w", "o")
-
-    @property
-    def traffic(self) -> int:
-        """Bytes a kernel moves for this argument: in-place arguments are read and written."""
-        return self.tensor.nbytes * (2 if self.role == "w" else 1)
-
-
-class SimStream:
-    """A stream of the simulated device. Created through `SimDevice.Stream(...)`."""
-
-    _sim: SimDevice
-
-    def __init__(self, device: Any = None, priority: int = 0, *, name: str | None = None) -> None:
-        sim = self._sim
-        self.actor = sim._clocks.new_actor()
-        sim._streams[self.actor] = self
-        self.name = sim._name_actor(self.actor, name)
-        # A dropped stream launches nothing more: its clock no longer keeps old accesses alive.
-        weakref.finalize(self, sim._clocks.retire, self.actor).atexit = False
-        self.priority = priority
-        self.device = torch.device("cpu")
-        self.tail_us = 0.0  # modeled time at which its last launched op (or waited event) completes
-        self._prev: list[SimStream] = []
-
-    def wait_event(self, event: SimEvent) -> None:
-        self._sim._stream_wait(self, event)
-
-    def wait_stream(self, stream: SimStream) -> None:
-        self.wait_event(stream.record_event())
-
-    def record_event(self, event: SimEvent | None = None) -> SimEvent:
-        event = event if event is not None else self._sim.Event()
-        event.record(self)
-        return event
-
-    def synchronize(self) -> None:
-        self._sim._host_wait(self._sim._clocks.snapshot(self.actor), self.tail_us)
-        self._sim._raise_pending()
-
-    def query(self) -> bool:
-        return self._sim._query(self._sim._clocks.snapshot(self.actor), self.tail_us)
-
-    def __enter__(self) -> SimStream:
-        self._prev.append(self._sim.current_stream())
-        self._sim.set_stream(self)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._sim.set_stream(self._prev.pop())
-
-    def __repr__(self) -> str:
-        return f"<sim Stream {self.name}>"
-
-
-class SimEvent:
-    """An event of the simulated device. Created through `SimDevice.Event(...)`."""
-
-    _sim: SimDevice
-
-    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> None:
-        self.enable_timing = enable_timing
-        self.clock: Clock | None = None  # the recording stream's clock at record time
-        self.time_us: float | None = None  # modeled completion time
-
-    def record(self, stream: SimStream | None = None) -> None:
-        self._sim._record(self, stream if stream is not None else self._sim.current_stream())
-
-    def wait(self, stream: SimStream | None = None) -> None:
-        (stream if stream is not None else self._sim.current_stream()).wait_event(self)
-
-    def query(self) -> bool:
-        return self.clock is None or self._sim._query(self.clock, self.time_us)
-
-    def synchronize(self) -> None:
-        if self.clock is not None:
-            self._sim._host_wait(self.clock, self.time_us)
-        self._sim._raise_pending()
-
-    def elapsed_time(self, end_event: SimEvent) -> float:
-        """Modeled milliseconds between this event and `end_event`, like torch.cuda.Event.elapsed_time."""
-        if not (self.enable_timing and end_event.enable_timing):
-            raise RuntimeError("Both events must be created with argument 'enable_timing=True'")
-        if self.clock is None or end_event.clock is None:
-            raise RuntimeError("Both events must be recorded before calculating elapsed time")
-        if not (self._sim._host_has_seen(self.clock) and self._sim._host_has_seen(end_event.clock)):
-            raise RuntimeError("device not ready: synchronize on the end event before elapsed_time")
-        return (end_event.time_us - self.time_us) / 1e3
-
-    def __repr__(self) -> str:
-        state = "unrecorded" if self.time_us is None else f"at {self.time_us:.3f} us"
-        return f"<sim Event {state}>"
-
-
-class _SimMode(TorchDispatchMode):
-    def __init__(self, sim: SimDevice) -> None:
-        super().__init__()
-        self.sim = sim
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if active() is not self.sim:  # an outer simulator while an inner one is active
-            return func(*args, **kwargs)
-        with self.sim._lock:  # threads share the simulator's clocks, logs and memory model
-            return self.sim._dispatch(func, types, args, kwargs)
-
-
-# Key in an autograd Node's metadata: the stream its forward op ran on (absent: the default stream).
-_STREAM_TAG = "swapopt_sim_stream"
-
-
-def _tag_outputs(out: Any, stream: SimStream) -> None:
-    for t in out if isinstance(out, (tuple, list)) else (out,):
-        node = getattr(t, "grad_fn", None) if isinstance(t, torch.Tensor) else None
-        if node is None:
-            continue
-        node.metadata.setdefault(_STREAM_TAG, stream)
-        # A leaf's gradient accumulator is created with the first op that uses the leaf: same stream.
-        for nxt, _ in node.next_functions:
-            if nxt is not None and type(nxt).__name__ == "AccumulateGrad":
-                nxt.metadata.setdefault(_STREAM_TAG, stream)
-
-
-class _StreamTagMode(TorchFunctionMode):
-    """Remembers, on each autograd node made while a non-default stream is current, that stream: PyTorch runs
-    a backward op on the stream of its forward op."""
-
-    def __init__(self, sim: SimDevice) -> None:
-        super().__init__()
-        self.sim = sim
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        sim = self.sim
-        if torch.is_grad_enabled() and active() is sim:
-            stream = sim.current_stream()
-            if stream is not sim._default:
-                _tag_outputs(out, stream)
-        return out
-
-
-_ACTIVE: list[SimDevice] = []
 _PROCESS: list[SimDevice] = []
 
 
@@ -832,12 +669,12 @@ class SimDevice:
     ) -> Any:
         stream = self._op_stream()
         if has_device and not (op.copy or op.mixed_ok) and any(a.writes for a in accesses):
-            self._check_same_device(op, accesses)
+            check_same_device(op, accesses)
         if not has_input:  # a factory: refuse before allocating
             need = factory_bytes(func, args, kwargs)
             if not self._memory().fits(need):
                 raise self._oom(need)
-        lane, blocking, staged_src = self._lane(func, op, args, kwargs, accesses)
+        lane, blocking, staged_src = op_lane(func, op, args, kwargs, accesses)
 
         host = self._host()
         self._clocks.merge_actor(stream.actor, host)  # a launch follows everything the host did before it
@@ -889,38 +726,6 @@ class SimDevice:
             self._clocks.merge_actor(host, stream.actor)
             self._timeline.wait_host(timed.end_us)
         return out
-
-    def _lane(self, func: Any, op: OpInfo, args: tuple, kwargs: dict, accesses: list[_Arg]) -> tuple[str, bool, bool]:
-        """(lane, whether the host waits for the op, whether the host stages a pageable source itself)."""
-        blocking = op.sync or op.value_return
-        if op.local_scalar:
-            return "d2h", True, False
-        if not op.copy:
-            return "compute", blocking, False
-        non_blocking = bool(arg_value(func, args, kwargs, "non_blocking", False))
-        written, read = [a for a in accesses if a.writes], [a for a in accesses if not a.writes]
-        if op.new_outputs or any(not a.host_side for a in written):
-            sources = [a for a in read if a.host_side]
-            if sources:  # H2D; from pageable memory the host stages the source before the call returns
-                return "h2d", blocking or not non_blocking, any(a.pageable for a in sources)
-        elif any(not a.host_side for a in read):
-            # D2H; into pageable memory the call returns only when the copy is done, as CUDA does
-            return "d2h", blocking or not non_blocking or any(a.pageable for a in written), False
-        return "compute", blocking, False
-
-    @staticmethod
-    def _check_same_device(op: OpInfo, accesses: list[_Arg]) -> None:
-        """An in-place kernel cannot mix device memory with host arrays (0-dim CPU scalars are fine), as on CUDA.
-        Out-of-place ops are let through so that tests can compare host and device tensors directly."""
-        # 0-dim and 1-element host tensors (a fused kernel's lr of any rank) are read at launch, as torch allows.
-        big = [a for a in accesses if a.host_side and a.tensor.numel() > 1]
-        if big and len(big) < len(accesses):
-            raise RuntimeError(
-                f"Expected all tensors to be on the same device: {op.name} mixes device tensors with a host "
-                f"tensor of shape {tuple(big[0].tensor.shape)}. (Simulated device: host tensors are pinned_empty "
-                f"allocations, torch.tensor literals and tensors created before activation; "
-                f".to(device.torch_device()) does not copy here: allocate on the device and copy_ instead.)"
-            )
 
     def _refresh_sizes(self, tensor_args: list[_Arg]) -> None:
         """Pick up storages resized by an op (resize_) or behind the dispatcher (storage.resize_)."""
@@ -977,11 +782,6 @@ class SimDevice:
             stack = traceback.format_stack()[:-3] if self.stacks else None
             acc = Access(rng[0], rng[1], True, stream.actor, epoch, name, self._label(), t.shape, None, stack)
             info.log.add(acc, self._clocks)
-
-
-def active() -> SimDevice | None:
-    """The innermost active simulator, if any."""
-    return _ACTIVE[-1] if _ACTIVE else None
 
 
 @contextmanager
