@@ -93,11 +93,22 @@ def _clone(original):
     return clone
 
 
+def _step_on_device(param_id: Any = None, param_groups: Any = None) -> bool:
+    """torch keeps `step` on param.device only for fused and capturable groups."""
+    for group in param_groups or ():
+        if param_id in group["params"]:
+            return bool(group.get("fused") or group.get("capturable"))
+    return False
+
+
 def _param_policy(original):
     @functools.wraps(original)
     def policy(param, value, *args, **kwargs):
         out = original(param, value, *args, **kwargs)
         sim = _sim()
+        key = kwargs.get("key", args[2] if len(args) > 2 else None)
+        if key == "step" and not _step_on_device(*args[:2]):
+            return out  # a plain optimizer's `step` stays on the host, as on CUDA
         if sim is not None and isinstance(out, torch.Tensor) and out.device.type == "cpu":
             return sim._to_param_device(param, out)
         return out

@@ -14,6 +14,9 @@ if TYPE_CHECKING:
     from device.streams import SimStream
 
 
+_UNLOCKED = frozenset({"c10d", "_c10d_functional", "c10d_functional", "_dtensor"})
+
+
 class _SimMode(TorchDispatchMode):
     def __init__(self, sim: SimDevice) -> None:
         super().__init__()
@@ -23,6 +26,10 @@ class _SimMode(TorchDispatchMode):
         kwargs = kwargs or {}
         if active() is not self.sim:  # an outer simulator while an inner one is active
             return func(*args, **kwargs)
+        if func.namespace in _UNLOCKED:
+            # Collectives may block until another thread (a gloo worker, a peer rank's progress) runs:
+            # holding the lock across them could deadlock.
+            return self.sim._dispatch(func, types, args, kwargs)
         with self.sim._lock:  # threads share the simulator's clocks, logs and memory model
             return self.sim._dispatch(func, types, args, kwargs)
 

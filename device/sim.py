@@ -124,6 +124,7 @@ class SimDevice:
         # Per thread: current stream (thread-local, as in PyTorch), host actor, backward bookkeeping.
         self._tls = threading.local()
         self._lock = threading.RLock()
+        self._late_frees: list[tuple[int, int]] = []
         self._host_actors = {HOST}
         # Stacks of accesses, for StreamRaceError.earlier_stack; off by default (it costs per op).
         self.stacks = os.environ.get("SWAPOPT_SIM_STACKS", "0") not in ("", "0")
@@ -196,10 +197,15 @@ class SimDevice:
             if actor not in self._host_actors:
                 self._clocks.merge_actor(host, actor)
         self._timeline.wait_host(self._timeline.device_tail_us())
+        with self._lock:
+            self._drain_frees()
         self._clocks.compact()  # dropped streams the host has now seen stop costing anything
         self._raise_pending()
 
     def _memory(self) -> DeviceMemory:
+        if self._late_frees:
+            with self._lock:
+                self._drain_frees()
         self._mem.process_deferred(self._timeline.host_us)
         return self._mem
 
@@ -485,8 +491,21 @@ class SimDevice:
             self._mem.free(info.block)
 
     def _on_free(self, key: int, uid: int) -> None:
-        with self._lock:
-            self._free(key, uid)
+        # Finalizers run on whatever thread drops the last reference, gloo's worker threads included,
+        # possibly while another thread holds the lock and waits for that very worker: never block here.
+        if self._lock.acquire(blocking=False):
+            try:
+                self._free(key, uid)
+                self._drain_frees()
+            finally:
+                self._lock.release()
+        else:
+            self._late_frees.append((key, uid))
+
+    def _drain_frees(self) -> None:
+        """Frees that arrived while another thread held the lock (call with the lock held)."""
+        while self._late_frees:
+            self._free(*self._late_frees.pop(0))
 
     def _free(self, key: int, uid: int) -> None:
         info = self._storages.get(key)
@@ -578,6 +597,8 @@ class SimDevice:
         return out
 
     def _dispatch(self, func: Any, types: tuple, args: tuple, kwargs: dict) -> Any:
+        if self._late_frees:
+            self._drain_frees()
         if func.namespace == "profiler":
             return self._profiler_op(func, args, kwargs)
         for t in types:
