@@ -4,9 +4,9 @@ step() streams the states through the device in chunks (see swapopt.operate for 
 choreography, swapopt.plan for the chunking) and runs the wrapped optimizer's own step on each chunk,
 so the update is bitwise the one the unwrapped optimizer computes.
 
-A failing step leaves each param fully stepped or untouched (see _swap_step's failure path): a param
-split across chunks whose update began before the failing chunk is completed by rolling it forward
-through a synchronous recovery path, so the normal path keeps no backups.
+A failing step leaves each param fully stepped or untouched (Note [failure semantics], by _recover): a
+param split across chunks whose update began before the failing chunk is completed by rolling it
+forward through a synchronous recovery path, so the normal path keeps no backups.
 """
 
 from __future__ import annotations
@@ -398,7 +398,7 @@ class SwapOptimizer(torch.optim.Optimizer):
                 d2h += self._update_and_swap_out(prep, k, views[k], pending, kwargs, progress)
                 views[k] = None
             op.finish(prep.last_chunk)
-        except BaseException as exc:
+        except BaseException as exc:  # Note [failure semantics]
             views.clear()
             self._recover(prep, progress, pending, kwargs)
             pending.clear()
