@@ -192,6 +192,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         self.swap_optimizer_times = swap_optimizer_times
         self.chunk_mb = chunk_mb
         self.resident_mb = float(resident_mb)
+        self.per_param = bool(per_param)  # a copy (deepcopy, pickle) must be accepted as the original was
         self._ready = False
         # Optimizer.__init__ sets up hooks and the step wrapper; it gets copies of the groups, then the
         # wrapper takes the inner optimizer's own objects so schedulers, clipping and DCP see one truth.
