@@ -2,6 +2,8 @@
 
 Public API:
     SwapOptimizer          wrap any per-parameter-state torch.optim optimizer
+    SwapAdamW, SwapAdam    class form, built from params like torch.optim.AdamW / Adam
+    swap_class             class form of any supported torch.optim optimizer class
     SwapConfig             pydantic config; ``SwapConfig(swap_optimizer=True).wrap(opt)``
     SwapOptimizerOperate   the transfer engine (streams, staging slots, per-param events)
     register_per_param     vouch that a third-party optimizer is per-param (so it may be swapped)
@@ -11,6 +13,7 @@ Public API:
 
 from loguru import logger
 
+from swapopt.classes import SwapAdam, SwapAdamW, swap_class
 from swapopt.config import SwapConfig
 from swapopt.offload import offload, offloaded, onload, put_optimizer_to_device
 from swapopt.operate import SwapOptimizerOperate
@@ -21,6 +24,8 @@ from swapopt.perparam import register_per_param
 logger.disable("swapopt")
 
 __all__ = [
+    "SwapAdam",
+    "SwapAdamW",
     "SwapConfig",
     "SwapOptimizer",
     "SwapOptimizerOperate",
@@ -29,5 +34,6 @@ __all__ = [
     "onload",
     "put_optimizer_to_device",
     "register_per_param",
+    "swap_class",
 ]
 __version__ = "0.1.0"

@@ -2,20 +2,23 @@
 
 ``torch.optim.Optimizer.load_state_dict`` casts every state to ``param.device``: for swapped states that
 would allocate all of them on the accelerator at once (the resume-time OOM this module exists to avoid).
-Here loaded values are copied straight into the pinned host tensors the swap engine streams from.
+Here loaded values are copied straight into the pinned host tensors the swap engine streams from (new
+pinned tensors for states that have none yet), after the whole state dict has been checked.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from copy import deepcopy
 from dataclasses import dataclass
 from itertools import chain
 from typing import Any
 
 import torch
+from loguru import logger
 
 import device
-from swapopt import hoststate
+from swapopt import hoststate, statespec
 from swapopt.hoststate import ELEMENTWISE, is_dtensor
 
 def state_dict(opt) -> dict[str, Any]:
@@ -40,21 +43,32 @@ def state_dict(opt) -> dict[str, Any]:
 
 @dataclass
 class _Copy:
-    """One state to fill in place: ``src`` (this rank's piece) goes into ``dst`` (a host tensor for swapped
-    states; the existing tensor for small ones)."""
+    """One swapped state to load: ``src`` (this rank's piece of the saved value) goes into ``dst``: the host
+    tensor that already holds this state (written in place, no second copy of the states in host memory) or
+    a new pinned tensor of ``dtype`` (``shape``: None for the param's shape and layout)."""
 
     param: torch.Tensor
+    index: int
     key: Any
     src: torch.Tensor
-    dst: torch.Tensor | None  # None: allocate a host tensor of ``dtype``
+    dst: torch.Tensor | None
     dtype: torch.dtype
-    shape: tuple[int, ...] | None = None  # of that new host tensor; None: like the param (and its layout)
+    shape: tuple[int, ...] | None = None
+    placeholder: Any = None  # the object standing for this state until the copies are done
+
+    @property
+    def in_place(self) -> bool:
+        return self.dst is not None
 
 
 def load_state_dict(opt, state_dict: dict[str, Any]) -> None:
-    """Load ``state_dict`` into ``opt`` without moving states to ``param.device``.
+    """Load ``state_dict`` into ``opt`` as ``torch.optim.Optimizer.load_state_dict`` would, except that
+    swapped states go into pinned host memory instead of ``param.device``.
 
-    Everything is validated before anything changes: on error the optimizer is left as it was.
+    Like torch, the loaded state and groups pass through the inner optimizer's ``__setstate__``, which
+    upgrades older formats (a Python-number ``step``, param-group keys added since). The result is checked
+    against what the optimizer needs (statespec) and every copy is tried on one element before anything
+    changes: on error the optimizer is left as it was.
     """
     state_dict = state_dict.copy()
     for hook in opt._optimizer_load_state_dict_pre_hooks.values():
@@ -62,59 +76,152 @@ def load_state_dict(opt, state_dict: dict[str, Any]) -> None:
         if result is not None:
             state_dict = result
 
+    inner = opt.optimizer
+    name = type(inner).__name__
     groups = opt.param_groups
     saved_groups = deepcopy(state_dict["param_groups"])
     _check_groups(groups, saved_groups)
     params = list(chain.from_iterable(g["params"] for g in groups))
     id_map = dict(zip(chain.from_iterable(g["params"] for g in saved_groups), params))
     index_of = {id(p): i for i, p in enumerate(params)}
+    group_of = {id(p): gi for gi, g in enumerate(groups) for p in g["params"]}
     saved_state = state_dict["state"]
     unknown = [k for k in saved_state if k not in id_map]
     if unknown:
         raise ValueError(f"optimizer state dict has state for ids {unknown!r} that no param group lists")
+    # Like torch: the saved groups' fused/capturable flags decide whether ``step`` lives on the device.
+    step_on_device = {
+        pid: bool(g.get("fused") or g.get("capturable")) for g in state_dict["param_groups"] for pid in g["params"]
+    }
 
-    # torch keeps ``step`` on the device only for fused or capturable groups.
-    step_on_device = {id(p): bool(g.get("fused") or g.get("capturable")) for g in groups for p in g["params"]}
-    # Validate and plan every copy before touching the optimizer.
-    plans: dict[torch.Tensor, tuple[list[_Copy], dict[Any, Any]]] = {}
+    # 1. Check each param's saved state and plan its copies; nothing is written yet.
+    specs: dict[tuple, dict[str, statespec.KeySpec] | None] = {}
+    new_state: defaultdict[torch.Tensor, dict[Any, Any]] = defaultdict(dict)
+    copies: list[_Copy] = []
     for saved_id, values in saved_state.items():
         p = id_map[saved_id]
+        index = index_of[id(p)]
         if not isinstance(values, dict):
-            raise ValueError(f"param {index_of[id(p)]} ({saved_id!r}): state must be a dict, got {type(values)}")
-        plans[p] = _plan_param(opt, p, index_of[id(p)], values, step_on_device[id(p)])
+            raise ValueError(f"param {index} ({saved_id!r}): state must be a dict, got {type(values)}")
+        spec = _spec(opt, specs, saved_groups[group_of[id(p)]], group_of[id(p)], p)
+        if spec:
+            statespec.check_keys(spec, index, values, name)
+        new_state[p], planned = _plan_param(opt, p, index, values, step_on_device[saved_id])
+        copies += planned
 
-    # New host tensors are allocated before anything is written, so a failed allocation changes nothing.
-    for copies, _ in plans.values():
-        for c in copies:
-            if c.dst is None:
-                c.dst = hoststate.new_host_like(c.param, c.dtype) if c.shape is None \
-                    else device.pinned_empty(c.shape, dtype=c.dtype)
-    opt.wait_for_swap_out()
-
-    for p in params:
-        if p not in plans and p in opt.state:
-            del opt.state[p]
-    for p, (copies, others) in plans.items():
-        new_state: dict[Any, Any] = {}
-        for c in copies:
-            hoststate.local(c.dst).copy_(c.src)
-            new_state[c.key] = c.dst
-        new_state.update(others)
-        # The dict itself is kept: the engine and DCP may hold references to it.
-        st = opt.state[p]
-        st.clear()
-        st.update(new_state)
-
+    # 2. Upgrade older formats the way torch does: the inner class's own __setstate__, run on a stand-in
+    # object so that the optimizer itself changes only once everything has been checked and copied.
+    new_groups = []
     for group, saved in zip(groups, saved_groups):
         saved["params"] = group["params"]
         if "param_names" in group and "param_names" not in saved:
             saved["param_names"] = group["param_names"]
+        new_groups.append(saved)
+    stand_in = object.__new__(type(inner))
+    stand_in.__dict__.update(inner.__dict__)
+    stand_in.__dict__["defaults"] = dict(inner.defaults)
+    type(inner).__setstate__(stand_in, {"state": new_state, "param_groups": new_groups})
+    new_state, new_groups = stand_in.state, stand_in.param_groups
+
+    # 3. Check the upgraded state: shapes the optimizer creates (a 0-dim ``step``, param-shaped moments).
+    for p, values in new_state.items():
+        spec = specs.get(_spec_key(group_of[id(p)], p))
+        if spec:
+            statespec.check_shapes(spec, index_of[id(p)], p, values, name)
+
+    # 4. Try every copy on one element: a value that cannot be copied (a meta tensor, say) is refused now.
+    opt.wait_for_swap_out()  # values may be this optimizer's own host tensors, still written by swap-outs
+    scratch: dict[torch.dtype, torch.Tensor] = {}
+    for c in copies:
+        _try_copy(c, scratch)
+
+    # 5. New host tensors are allocated and filled first: a failure here leaves the optimizer as it was.
+    staged: dict[int, torch.Tensor] = {}
+    for c in copies:
+        if not c.in_place:
+            dst = hoststate.new_host_like(c.param, c.dtype) if c.shape is None \
+                else device.pinned_empty(c.shape, dtype=c.dtype)
+            hoststate.local(dst).copy_(c.src)
+            staged[id(c)] = dst
+
+    # 6. Commit. In-place copies into the existing host tensors come last; they were all tried above.
+    written: list[tuple[int, Any]] = []
+    current: _Copy | None = None
+    try:
+        for c in copies:
+            if c.in_place:
+                current = c
+                dst_local = hoststate.local(c.dst)
+                if not _same_tensor(dst_local, c.src):  # DCP loads into the tensors state_dict() returned
+                    dst_local.copy_(c.src)
+                written.append((c.index, c.key))
+    except BaseException:
+        # Every copy was tried above, so only an interrupt or a failing host gets here: say what changed.
+        logger.error(
+            "swapopt: load_state_dict failed while writing the existing host states; loaded: {}; param {} state "
+            "{!r} may be partly written; every other state, the step counts and the param groups are unchanged",
+            written, *((current.index, current.key) if current is not None else (None, None)),
+        )  # fmt: skip
+        raise
+    by_key = {(id(c.param), c.key): c for c in copies}
+    for p in params:
+        if p not in new_state and p in opt.state:
+            del opt.state[p]
+    for p, values in new_state.items():
+        for key, value in values.items():
+            c = by_key.get((id(p), key))
+            if c is not None and c.placeholder is value:
+                values[key] = c.dst if c.in_place else staged[id(c)]
+        st = opt.state.get(p)
+        if st is None:
+            opt.state[p] = values
+        else:  # the dict itself is kept: the engine and DCP may hold references to it
+            st.clear()
+            st.update(values)
+    for group, new in zip(groups, new_groups):
         # Updated in place: SwapOptimizer and its inner optimizer share these dicts.
         group.clear()
-        group.update(saved)
+        group.update(new)
+    for key, value in stand_in.defaults.items():
+        inner.defaults.setdefault(key, value)
 
     for hook in opt._optimizer_load_state_dict_post_hooks.values():
         hook(opt)
+
+
+def _spec_key(gi: int, p: torch.Tensor) -> tuple:
+    loc = hoststate.local(p)
+    return (gi, loc.dtype, loc.dim())
+
+
+def _spec(opt, specs: dict, saved_group: dict[str, Any], gi: int, p: torch.Tensor):
+    key = _spec_key(gi, p)
+    if key not in specs:
+        specs[key] = statespec.probe(opt.optimizer, saved_group, p)
+    return specs[key]
+
+
+def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (
+        a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
+        and a.device == b.device
+    )
+
+
+def _try_copy(c: _Copy, scratch: dict[torch.dtype, torch.Tensor]) -> None:
+    """Copy one element of ``c.src`` into a scratch host tensor (one per dtype), so that a value that cannot
+    be copied at all is refused before anything changes."""
+    src = c.src
+    if src.is_meta or src.layout != torch.strided:
+        raise ValueError(f"param {c.index}, state {c.key!r}: a {src.layout} {src.device} tensor holds no data to load")
+    if src.numel() == 0:
+        return
+    if c.dtype not in scratch:
+        scratch[c.dtype] = device.pinned_empty((1,), dtype=c.dtype)
+    try:
+        scratch[c.dtype].copy_(src.reshape(-1)[:1] if src.is_contiguous() else src[(0,) * src.dim()].reshape(1))
+    except Exception as exc:
+        raise ValueError(f"param {c.index}, state {c.key!r}: cannot be copied into host memory ({exc})") from exc
 
 
 def _check_groups(groups: list[dict[str, Any]], saved_groups: list[dict[str, Any]]) -> None:
@@ -131,38 +238,38 @@ def _check_groups(groups: list[dict[str, Any]], saved_groups: list[dict[str, Any
 
 
 def _plan_param(opt, p: torch.Tensor, index: int, values: dict[Any, Any],
-                step_on_device: bool) -> tuple[list[_Copy], dict[Any, Any]]:
+                step_on_device: bool) -> tuple[dict[Any, Any], list[_Copy]]:
+    """The param's state as torch would load it, swapped tensors standing in for their host copies, and
+    those copies."""
     current = opt.state.get(p, {})
+    out: dict[Any, Any] = {}
     copies: list[_Copy] = []
-    others: dict[Any, Any] = {}
     for key, value in values.items():
         where = f"param {index}, state {key!r}"
         if isinstance(value, torch.Tensor) and hoststate.is_swapped_state(p, key, value):
             existing = current.get(key)
             if not (isinstance(existing, torch.Tensor) and device.is_host_tensor(existing)):
-                existing = None
-            copies.append(_plan_swapped(opt, p, key, value, existing, where))
+                existing = None  # none yet, or resident on the device: it gets a new host tensor
+            c = _plan_swapped(opt, p, index, key, value, existing, where)
+            c.placeholder = value
+            copies.append(c)
+            out[key] = value
         elif isinstance(value, torch.Tensor):
-            existing = current.get(key)
-            if isinstance(existing, torch.Tensor) and existing.shape == value.shape and not is_dtensor(value):
-                # Written in place: keeps the tensor (and its device) that the optimizer already uses.
-                if not torch.can_cast(value.dtype, existing.dtype):
-                    raise ValueError(f"{where}: dtype {value.dtype} cannot be cast to {existing.dtype}")
-                copies.append(_Copy(param=p, key=key, src=value, dst=existing, dtype=existing.dtype))
-            else:
-                others[key] = _small_tensor(p, key, value, step_on_device)
+            out[key] = _small_tensor(p, key, value, step_on_device)
         else:
-            others[key] = deepcopy(value)
-    return copies, others
+            out[key] = deepcopy(value)
+    return out, copies
 
 
-def _plan_swapped(opt, p: torch.Tensor, key: Any, value: torch.Tensor, existing: torch.Tensor | None,
+def _plan_swapped(opt, p: torch.Tensor, index: int, key: Any, value: torch.Tensor, existing: torch.Tensor | None,
                   where: str) -> _Copy:
+    if existing is not None and tuple(existing.shape) != tuple(value.shape):
+        existing = None  # a state shaped unlike the one it replaces gets a new host tensor
     # The layout the value must have: the host tensor it goes into, else the param's.
     ref: torch.Tensor | None = existing if existing is not None else p
     if tuple(value.shape) != tuple(ref.shape):
         # Only a non-element-wise optimizer (Adafactor's factored states) has states shaped unlike the param.
-        if existing is not None or is_dtensor(p) or isinstance(opt.optimizer, ELEMENTWISE):
+        if is_dtensor(p) or isinstance(opt.optimizer, ELEMENTWISE):
             raise ValueError(f"{where}: shape {tuple(value.shape)} does not match {tuple(ref.shape)}")
         ref = None
     if existing is not None:
@@ -174,8 +281,8 @@ def _plan_swapped(opt, p: torch.Tensor, key: Any, value: torch.Tensor, existing:
     if ref is None:
         if is_dtensor(value):
             raise ValueError(f"{where}: value is a DTensor but the param is not")
-        return _Copy(param=p, key=key, src=value, dst=None, dtype=dtype, shape=tuple(value.shape))
-    return _Copy(param=p, key=key, src=_local_piece(ref, value, where), dst=existing, dtype=dtype)
+        return _Copy(param=p, index=index, key=key, src=value, dst=None, dtype=dtype, shape=tuple(value.shape))
+    return _Copy(param=p, index=index, key=key, src=_local_piece(ref, value, where), dst=existing, dtype=dtype)
 
 
 def _local_piece(ref: torch.Tensor, value: torch.Tensor, where: str) -> torch.Tensor:

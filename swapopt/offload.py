@@ -1,9 +1,11 @@
 """Hand the accelerator to another engine (an RL rollout) and take it back.
 
-A SwapOptimizer keeps every swapped state in pinned host memory between steps, so offloading only has to
-drain in-flight copies and free the staging buffers, and onloading has nothing to move: the next step
-streams the states in as usual. A plain optimizer (``SwapConfig(swap_optimizer=False).wrap`` returns one)
-gets the classic treatment instead: its states move to the CPU and back.
+A SwapOptimizer keeps its swapped states in pinned host memory between steps, so offloading drains
+in-flight copies, frees the staging buffers and moves the little that stays on the device (resident
+states, device ``step`` scalars of fused or capturable groups) to the host; onloading moves the scalars
+back, and the next step streams the states in and makes resident ones resident again. A plain optimizer
+(``SwapConfig(swap_optimizer=False).wrap`` returns one) gets the classic treatment instead: its states
+move to the CPU and back.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import torch
 from loguru import logger
 
 import device
+from swapopt.copying import pinned_copy
+from swapopt.hoststate import is_swapped_state, local, wrap_like
 from swapopt.optimizer import SwapOptimizer
 
 
@@ -24,6 +28,7 @@ def offload(opt: torch.optim.Optimizer, empty_cache: bool = False) -> None:
     if isinstance(opt, SwapOptimizer):
         opt.wait_for_swap_out()  # in-flight D2H copies still read the staging buffers
         opt.release_staging()
+        _evict(opt)
     else:
         put_optimizer_to_device(opt, "cpu")
     if empty_cache:
@@ -31,9 +36,12 @@ def offload(opt: torch.optim.Optimizer, empty_cache: bool = False) -> None:
 
 
 def onload(opt: torch.optim.Optimizer) -> None:
-    """Undo :func:`offload`. For a SwapOptimizer there is nothing to move: states stay on the host and the
-    next step streams them in. Idempotent; calling it without an offload is harmless."""
-    if not isinstance(opt, SwapOptimizer):
+    """Undo :func:`offload`. For a SwapOptimizer only the device scalars move back: swapped states stay on the
+    host and the next step streams them in (and makes resident ones resident again). Idempotent; calling it
+    without an offload is harmless."""
+    if isinstance(opt, SwapOptimizer):
+        _restore_scalars(opt)
+    else:
         _move_states(opt, lambda p: p.device)
 
 
@@ -45,6 +53,60 @@ def offloaded(opt: torch.optim.Optimizer, empty_cache: bool = True) -> Iterator[
         yield
     finally:
         onload(opt)
+
+
+def _evict(opt: SwapOptimizer) -> None:
+    """Move what a SwapOptimizer keeps in device memory between steps to pinned host memory: resident states
+    (``resident_mb``; the next step plans them resident again) and device scalars (``step`` of fused or
+    capturable groups; moved back by onload or, at the latest, before the next step)."""
+    if device.get_device() == "cpu":
+        return
+    resident = False
+    scalars: dict[tuple[torch.Tensor, str], torch.device] = {}
+    for p, st in opt.state.items():
+        for key, value in list(st.items()):
+            if not isinstance(value, torch.Tensor) or device.is_host_tensor(value):
+                continue
+            host = pinned_copy(value)
+            if is_swapped_state(p, key, value):
+                resident = True
+            else:
+                scalars[(p, key)] = local(value).device
+            st[key] = host
+    if resident:
+        opt.invalidate()  # the cached plan says "resident": plan again, which moves them back
+    remember_offloaded(opt, scalars)
+    if resident or scalars:
+        logger.debug("swapopt offload: moved {} device scalars and the resident states to host memory", len(scalars))
+
+
+def offloaded_scalars(opt: SwapOptimizer) -> dict[tuple[torch.Tensor, str], torch.device]:
+    """(param, key) -> device of the device scalars that offload moved to host memory and onload moves back."""
+    return dict(opt.__dict__.get("_offloaded_scalars", {}))
+
+
+def remember_offloaded(opt: SwapOptimizer, scalars: dict[tuple[torch.Tensor, str], torch.device]) -> None:
+    """Record device scalars that are in host memory for now; onload, or the next step, moves them back."""
+    if not scalars:
+        return
+    opt.__dict__.setdefault("_offloaded_scalars", {}).update(scalars)
+    if opt.__dict__.get("_restore_hook") is None:
+        opt.__dict__["_restore_hook"] = opt.register_step_pre_hook(lambda o, args, kwargs: _restore_scalars(o))
+
+
+def _restore_scalars(opt: SwapOptimizer) -> None:
+    """Put the device scalars that offload moved to the host back where the optimizer keeps them."""
+    hook = opt.__dict__.pop("_restore_hook", None)
+    if hook is not None:
+        hook.remove()
+    scalars = opt.__dict__.pop("_offloaded_scalars", {})
+    for (p, key), where in scalars.items():
+        st = opt.state.get(p)
+        value = None if st is None else st.get(key)
+        if isinstance(value, torch.Tensor) and device.is_host_tensor(value):
+            dst = torch.empty(local(value).shape, dtype=value.dtype, device=where)
+            dst.copy_(local(value))
+            st[key] = wrap_like(value, dst)
 
 
 def put_optimizer_to_device(optimizer: torch.optim.Optimizer, device: str | torch.device) -> bool:

@@ -22,7 +22,7 @@ from loguru import logger
 from pydantic import BaseModel
 
 import device
-from swapopt import checkpoint, hoststate, perparam
+from swapopt import checkpoint, copying, hoststate, perparam
 from swapopt.hoststate import is_swapped_state, local, new_host_like, wrap_like
 from swapopt.operate import SwapOptimizerOperate
 from swapopt.plan import DEFAULT_ALIGN, SLOT_ALIGN as _SLOT_ALIGN, ParamSize, Plan, make_plan
@@ -237,7 +237,11 @@ class SwapOptimizer(torch.optim.Optimizer):
         )
 
     def __getstate__(self) -> dict[str, Any]:
-        raise TypeError("SwapOptimizer holds streams and events and cannot be pickled; use state_dict()")
+        # The inner optimizer and the settings; the copy builds its own streams, staging and pinned states.
+        return copying.getstate(self)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        copying.setstate(self, state)
 
     def state_dict(self) -> dict[str, Any]:
         return checkpoint.state_dict(self)
