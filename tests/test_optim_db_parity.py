@@ -25,7 +25,14 @@ import pytest
 import torch
 
 pytest.importorskip("expecttest")  # torch.testing._internal imports it
+_frozen = torch.backends.flags_frozen()
 from torch.testing._internal.common_optimizers import optim_db  # noqa: E402
+
+# Importing torch's test utilities freezes torch.backends flags for the whole process (their test suite
+# wants that); other tests in this process (Lightning sets cudnn.benchmark) must still be able to set them.
+if not _frozen and torch.backends.flags_frozen():
+    torch.backends.flags_frozen.__globals__["__allow_nonbracketed_mutation_flag"] = True
+assert torch.backends.flags_frozen() == _frozen
 
 from device import sim as simulator  # noqa: E402
 from swapopt import SwapOptimizer  # noqa: E402
