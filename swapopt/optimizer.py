@@ -685,7 +685,9 @@ class SwapOptimizer(torch.optim.Optimizer):
             self._run_inner(chunk_groups, chunk_state, kwargs)
             self._keep_new_states(chunk_state)
 
-    def _piece_input(self, prep: _Prepared, piece, views: dict[str, tuple]) -> tuple[torch.Tensor, dict[str, Any] | None]:
+    def _piece_input(
+        self, prep: _Prepared, piece, views: dict[str, tuple]
+    ) -> tuple[torch.Tensor, dict[str, Any] | None]:
         """The tensor the inner optimizer steps for one piece and its state dict (None when p has no
         state entry): swapped states are the device views in ``views``, scalar states are clones
         (written back once the whole param is done)."""

@@ -17,7 +17,9 @@ from __future__ import annotations
 import torch
 
 # torch.optim optimizers whose params may be cut into flat pieces (see the module docstring).
-_TORCH_ELEMENTWISE = ("Adam", "AdamW", "SGD", "Adagrad", "RMSprop", "Adamax", "NAdam", "RAdam", "ASGD", "Rprop", "Adadelta")
+_TORCH_ELEMENTWISE = (
+    "Adam", "AdamW", "SGD", "Adagrad", "RMSprop", "Adamax", "NAdam", "RAdam", "ASGD", "Rprop", "Adadelta",
+)
 
 _registered: dict[type, bool] = {}  # class -> element-wise
 

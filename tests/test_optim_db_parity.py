@@ -3,11 +3,12 @@
 For every optimizer torch tests, every OptimizerInput it lists is run wrapped and unwrapped on the
 same params and grads, with params in every layout at once (contiguous, transposed, channels_last,
 0-dim, zero-size), under an implementation (for-loop, foreach, fused where torch supports it on this
-device), a dtype (fp32, bf16, fp16 where torch is deterministic, complex64 where supported) and a chunking (swap_optimizer_times 1,
-3, 64, or a chunk budget so small that params are split across chunks). After 3 steps, params and the
-complete state_dict() must be bitwise equal; then the state dict goes through torch.save/torch.load
-(weights_only=True) or deepcopy into a fresh wrapper, which must keep stepping bitwise like the
-reference.
+device), a dtype (fp32, bf16, fp16 where torch is deterministic, complex64 where supported) and a
+chunking (swap_optimizer_times 1, 3, 64, or a chunk budget so small that params are split across
+chunks). After 3 steps, params and the complete state_dict() must be bitwise equal; then the state
+dict goes through torch.save/torch.load (weights_only=True) or deepcopy into a fresh wrapper, which
+must keep stepping bitwise like a fresh unwrapped optimizer loaded the same way. Layouts torch itself
+refuses for an optimizer (Muon takes matrices only, Adafactor no zero-size params) are left out.
 
 The full product is too large for CI, so each optimizer runs a deterministic sample that covers every
 input with every implementation, every implementation with every dtype, and every chunking.
