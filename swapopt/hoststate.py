@@ -9,18 +9,18 @@ from typing import Any
 import torch
 
 import device
+from swapopt.perparam import TORCH_ELEMENTWISE
 
 try:  # torch.distributed may be absent on some builds
     from torch.distributed.tensor import DTensor
 except Exception:  # pragma: no cover - builds without distributed
     DTensor = None  # type: ignore[assignment,misc]
 
-# Optimizers whose every non-scalar state has the param's shape and whose update of an element reads
-# only that element: one param may be split across chunks and stepped as flat pieces.
+# torch's optimizers whose every non-scalar state has the param's shape and whose update of an element
+# reads only that element: one param may be split across chunks and stepped as flat pieces (the list
+# lives in swapopt.perparam, with the registry for third-party ones).
 ELEMENTWISE: tuple[type, ...] = tuple(
-    getattr(torch.optim, name)
-    for name in ("Adam", "AdamW", "SGD", "Adagrad", "RMSprop", "Adamax", "NAdam", "RAdam", "ASGD", "Rprop", "Adadelta")
-    if hasattr(torch.optim, name)
+    getattr(torch.optim, name) for name in TORCH_ELEMENTWISE if hasattr(torch.optim, name)
 )
 
 # Per-param scalar bookkeeping that torch optimizers keep as 0-dim tensors next to the big states:

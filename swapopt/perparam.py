@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 # torch.optim optimizers whose params may be cut into flat pieces (see the module docstring).
-_TORCH_ELEMENTWISE = (
+TORCH_ELEMENTWISE = (
     "Adam", "AdamW", "SGD", "Adagrad", "RMSprop", "Adamax", "NAdam", "RAdam", "ASGD", "Rprop", "Adadelta",
 )
 
@@ -61,4 +61,4 @@ def is_elementwise(cls: type) -> bool:
     if cls in _registered:
         return _registered[cls]
     owner = _step_owner(cls)
-    return _torch_builtin(cls) and owner is not None and owner.__name__ in _TORCH_ELEMENTWISE
+    return _torch_builtin(cls) and owner is not None and owner.__name__ in TORCH_ELEMENTWISE

@@ -424,3 +424,30 @@ def test_swap_stats_after_a_failed_step(sim):
     assert bad.model_copy(update={"failed": False, "last_error": None}) == good
     _step_all(opt, ps)
     assert not opt.swap_stats().failed and opt.swap_stats().steps == 2
+
+
+class _Momentum(O.Optimizer):
+    """A third-party per-param optimizer (not registered)."""
+
+    def __init__(self, params, lr=0.1):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    st = self.state[p]
+                    st["mom"] = st.get("mom", torch.zeros_like(p)).mul_(0.9).add_(p.grad)
+                    p.sub_(st["mom"], alpha=group["lr"])
+
+
+def test_opted_in_wrapper_copies_stay_opted_in(sim):
+    import copy
+
+    ps = [torch.nn.Parameter(torch.randn(40)) for _ in range(2)]
+    opt = SwapOptimizer(_Momentum(ps), per_param=True, swap_optimizer_times=2)
+    _step_all(opt, ps)
+    twin = copy.deepcopy(opt)
+    assert twin.per_param and isinstance(twin.optimizer, _Momentum)
+    _step_all(twin, twin.optimizer.param_groups[0]["params"])
