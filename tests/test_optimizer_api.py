@@ -451,3 +451,17 @@ def test_opted_in_wrapper_copies_stay_opted_in(sim):
     twin = copy.deepcopy(opt)
     assert twin.per_param and isinstance(twin.optimizer, _Momentum)
     _step_all(twin, twin.optimizer.param_groups[0]["params"])
+
+
+def test_per_param_reaches_the_wrapper_from_config_and_class_form(sim):
+    from swapopt import swap_class
+
+    ps = [torch.nn.Parameter(torch.randn(40)) for _ in range(2)]
+    with pytest.raises(ValueError, match="per_param=True"):
+        SwapConfig(swap_optimizer=True).wrap(_Momentum(ps))
+    assert SwapConfig(swap_optimizer=True, per_param=True).wrap(_Momentum(ps)).per_param
+    with pytest.raises(ValueError, match="per_param=True"):
+        swap_class(_Momentum)(ps, lr=0.1)
+    opt = swap_class(_Momentum)(ps, lr=0.1, per_param=True, swap_optimizer_times=2)
+    assert opt.per_param and isinstance(opt.optimizer, _Momentum)
+    _step_all(opt, ps)
