@@ -108,7 +108,7 @@ def step_line(m: dict[str, Any], modeled: bool = False, prefix: str = "") -> str
     tag = " (modeled)" if modeled else ""
     line = (f"{prefix}step {m['step']:>5}  loss {m['loss']:.4f}  tok/s {m['tokens_per_s']:,.0f}  "
             f"step {m['step_ms']:.1f} ms  optim {m['optim_ms']:.1f} ms{tag}  mem peak {_fmt_bytes(m['mem_peak_bytes'])}")
-    if "swap_bytes" in m:
+    if m.get("swap_bytes") or m.get("h2d_gbps") is not None:  # nothing to say when it stepped in place
         line += (f"  swap in {_fmt_bytes(m['swap_h2d_bytes'])} @ {_gbps(m['h2d_gbps'])}, "
                  f"out {_fmt_bytes(m['swap_d2h_bytes'])} @ {_gbps(m['d2h_gbps'])}{tag}")
     return line
@@ -133,6 +133,7 @@ def run(cfg: EngineConfig, console: Console, label: str = "train", modeled: bool
     engine = None
     checkpoint: Path | None = None
     metrics_file = None
+    summary: dict[str, Any] = {"start_step": 0}
     try:
         engine = TrainEngine(cfg)
         if guard is not None:
@@ -145,7 +146,7 @@ def run(cfg: EngineConfig, console: Console, label: str = "train", modeled: bool
             if tcfg.resume:
                 _trim_metrics(path, engine.step)
             metrics_file = open(path, "a" if tcfg.resume else "w")
-        summary: dict[str, Any] = {"start_step": engine.step, "losses": [], "mem_peak_bytes": None,
+        summary = {"start_step": engine.step, "losses": [], "mem_peak_bytes": None,
                                    "swap_bytes": 0, "h2d_bytes": 0, "d2h_bytes": 0, "n_params": engine.n_params,
                                    "swapping": engine.swapping, "world_size": engine.world_size,
                                    "rank": engine.rank}
@@ -184,7 +185,7 @@ def run(cfg: EngineConfig, console: Console, label: str = "train", modeled: bool
     except KeyboardInterrupt:
         step = engine.step if engine is not None else 0
         saved_now = checkpoint is not None and checkpoint.name == f"step_{step:08d}"
-        if (engine is not None and tcfg.save_on_interrupt and tcfg.checkpoint_dir and not saved_now
+        if (engine is not None and step > summary["start_step"] and tcfg.save_on_interrupt and tcfg.checkpoint_dir and not saved_now
                 and not (guard is not None and guard.torn)):
             checkpoint = engine.save_checkpoint()
         raise Interrupted(step, checkpoint) from None

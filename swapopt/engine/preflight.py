@@ -99,7 +99,10 @@ def plan_device(cfg: EngineConfig) -> DevicePlan:
     detected = _detect(None)  # validates SWAPOPT_DEVICE itself
     wanted = tcfg.device
     if wanted in ("cuda", "npu"):
-        detected = _detect(wanted)
+        try:
+            detected = _detect(wanted)
+        except ConfigError as err:
+            raise ConfigError(f"train.device={wanted}: {err}".replace(f"{DEVICE_ENV}={wanted} but ", "")) from None
     explicit_cpu = wanted == "cpu" or (wanted == "auto" and env == "cpu")
     if explicit_cpu:
         source = "train.device=cpu" if wanted == "cpu" else f"{DEVICE_ENV}=cpu"
