@@ -125,10 +125,12 @@ def _trim_metrics(path: Path, last_step: int) -> None:
 
 
 def run(cfg: EngineConfig, console: Console, label: str = "train", modeled: bool = False,
-        guard: InterruptGuard | None = None) -> dict[str, Any]:
+        guard: InterruptGuard | None = None, progress_state: dict[str, Any] | None = None) -> dict[str, Any]:
     """Train to ``train.steps``; returns a summary (losses, peak memory, swap totals). Ctrl-C raises
-    Interrupted after an optional checkpoint (``train.save_on_interrupt``)."""
+    Interrupted after an optional checkpoint (``train.save_on_interrupt``). ``progress_state`` gets the last
+    finished step and checkpoint as they happen (read by the interrupt watchdog)."""
     tcfg = cfg.train
+    state = progress_state if progress_state is not None else {}
     prefix = "" if label == "train" else f"{label}: "
     engine = None
     checkpoint: Path | None = None
@@ -139,6 +141,7 @@ def run(cfg: EngineConfig, console: Console, label: str = "train", modeled: bool
         if guard is not None:
             engine.critical = guard.critical
         checkpoint = Path(tcfg.resume) if tcfg.resume else None
+        state.update(step=engine.step, checkpoint=checkpoint)
         main_rank = engine.rank == 0
         if main_rank and tcfg.metrics_path:
             path = Path(tcfg.metrics_path)
@@ -157,6 +160,7 @@ def run(cfg: EngineConfig, console: Console, label: str = "train", modeled: bool
             task = progress.add_task(label, total=tcfg.steps, completed=engine.step)
             while engine.step < tcfg.steps:
                 m = engine.train_step()
+                state["step"] = engine.step
                 summary["losses"].append(m["loss"])
                 summary["swap_bytes"] += m.get("swap_bytes", 0)
                 summary["h2d_bytes"] += m.get("swap_h2d_bytes", 0)
@@ -170,7 +174,7 @@ def run(cfg: EngineConfig, console: Console, label: str = "train", modeled: bool
                     progress.console.print(step_line(m, modeled, prefix))
                 progress.update(task, completed=engine.step, description=f"{label}  loss {m['loss']:.4f}")
                 if tcfg.checkpoint_dir and tcfg.checkpoint_interval and engine.step % tcfg.checkpoint_interval == 0:
-                    checkpoint = engine.save_checkpoint()
+                    checkpoint = state["checkpoint"] = engine.save_checkpoint()
                 if cfg.rl and engine.step % cfg.rl.rollout_every == 0 and engine.step < tcfg.steps:
                     r = engine.rollout(cfg.rl.rollout_buffer_mb, cfg.rl.empty_cache)
                     if metrics_file:
@@ -293,6 +297,13 @@ def resume_command(raw_args: list[str], checkpoint: Path) -> str:
     return shlex.join([Path(sys.executable).name, "-m", "swapopt.train", *out, "--resume", str(checkpoint)])
 
 
+def interrupted_line(step: int, checkpoint: Path | None, raw_args: list[str]) -> str:
+    if checkpoint is None:
+        return (f"interrupted at step {step}: no checkpoint to resume from (set train.checkpoint_dir, and "
+                "train.save_on_interrupt=true to save one on Ctrl-C)")
+    return f"interrupted at step {step}: last checkpoint {checkpoint}; resume with: {resume_command(raw_args, checkpoint)}"
+
+
 def _error(console: Console, err: BaseException) -> int:
     if _rank() == 0:  # every rank runs the same checks; one line is enough
         console.print(Text("error: ", style="red") + Text(" ".join(str(err).split())))
@@ -336,12 +347,20 @@ def _main(args: argparse.Namespace, raw_args: list[str]) -> int:
                   f"{cfg.train.steps}, so this run is finished; raise train.steps to train further")
         return 0
     modeled = plan.kind == "sim"
-    with InterruptGuard() as guard:
+    state: dict[str, Any] = {"step": resumed_step or 0,
+                             "checkpoint": Path(cfg.train.resume) if cfg.train.resume else None}
+
+    def stuck() -> None:  # the watchdog's last word when one long operation holds the main thread
+        if main_rank:
+            sys.stdout.write("\n" + interrupted_line(state["step"], state["checkpoint"], raw_args) + "\n")
+            sys.stdout.flush()
+
+    with InterruptGuard(on_stuck=stuck, exit_code=EXIT_INTERRUPTED) as guard:
         try:
             try:
                 with device_context(cfg, plan) as where:
                     out.print(where)
-                    summary = run(cfg, out, modeled=modeled, guard=guard)
+                    summary = run(cfg, out, modeled=modeled, guard=guard, progress_state=state)
             except KeyboardInterrupt:  # before the engine existed (simulator start-up)
                 raise Interrupted(resumed_step or 0, Path(cfg.train.resume) if cfg.train.resume else None) from None
             baseline = None
@@ -361,11 +380,7 @@ def _main(args: argparse.Namespace, raw_args: list[str]) -> int:
             return _error(console, err)
         except Interrupted as stop:
             if main_rank:
-                where = (f"last checkpoint {stop.checkpoint}; resume with: {resume_command(raw_args, stop.checkpoint)}"
-                         if stop.checkpoint else
-                         "no checkpoint to resume from (set train.checkpoint_dir, and train.save_on_interrupt=true "
-                         "to save one on Ctrl-C)")
-                console.print(f"interrupted at step {stop.step}: {where}")
+                console.print(interrupted_line(stop.step, stop.checkpoint, raw_args))
             return EXIT_INTERRUPTED
     if main_rank:
         print_summary(console, summary, baseline, plan)
