@@ -29,7 +29,7 @@ from swapopt.bench.strategies import STRATEGY_DOCS
 DEFAULT_OUT = Path("bench/results")
 FALLBACK_PRESET = "h100"
 # Measured on the simulator (h100 preset) with 2 CPU cores: see README's Results section.
-QUICK_COST = "about 1 minute and 2.5 GB of host RAM on the simulator (2 CPU cores)"
+QUICK_COST = "under 2 minutes and 3 GB of host RAM on the simulator (2 CPU cores)"
 FULL_COST = "about 10 minutes and 13 GB of host RAM on the simulator (2 CPU cores)"
 QUICK = dict(sim_sizes=[0.1], times=[16, 64], slots=[3], reference_times=[16])
 FULL = dict(sim_sizes=[0.1, 0.5], times=[8, 16, 32, 64], slots=[2, 3], reference_times=[16, 64])

@@ -23,6 +23,13 @@ def _ratio_top(sizes: list[SizeResult]) -> float:
 
 
 def bar_chart(sizes: list[SizeResult], path: Path, title: str) -> Path:
+    fig = bar_figure(sizes, title)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def bar_figure(sizes: list[SizeResult], title: str) -> plt.Figure:
     """Two panels, grouped by size: step time / bound per strategy (axis from 0.9, bars beyond the top
     clipped, hatched and labelled with their value) and peak extra device memory (log scale, labelled)."""
     labels: list[str] = []
@@ -48,13 +55,16 @@ def bar_chart(sizes: list[SizeResult], path: Path, title: str) -> Path:
                 bar.set_hatch("//")
             y = top if clipped else max(r.ratio, RATIO_FLOOR)
             text = f"{r.ratio:.2f}x" + (" (clipped)" if clipped else "")
-            ax.annotate(text, (bar.get_x() + bar.get_width() / 2, y), xytext=(0, -3 if clipped else 2),
+            ax.annotate(text.replace(" (clipped)", "\nclipped") if clipped else text,
+                        (bar.get_x() + bar.get_width() / 2, y), xytext=(0, -4 if clipped else 2),
                         textcoords="offset points", ha="center", va="top" if clipped else "bottom",
-                        rotation=90 if clipped or n > 1 else 0, fontsize=7)
+                        rotation=90 if n > 2 else 0, fontsize=7,
+                        bbox=dict(boxstyle="round,pad=0.2", fc="white", ec="none") if clipped else None)
         peaks = [max(r.peak_extra_bytes or 0, 0) / 2**20 for r in picked]
         mbars = mem.bar(xs, [max(v, 1e-3) for v in peaks], width=width, color=colors(i))
         for bar, v in zip(mbars, peaks):
-            mem.annotate(f"{v:.0f}", (bar.get_x() + bar.get_width() / 2, max(v, 1e-3)), xytext=(0, 2),
+            # Zero (host-side strategies) has no place on a log axis: its label sits on the axis floor.
+            mem.annotate(f"{v:.0f}", (bar.get_x() + bar.get_width() / 2, max(v, 0.6)), xytext=(0, 2),
                          textcoords="offset points", ha="center", va="bottom", fontsize=7)
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.axhline(1.1, color="red", linewidth=0.8, linestyle="--", label="1.10 x bound")
@@ -68,9 +78,7 @@ def bar_chart(sizes: list[SizeResult], path: Path, title: str) -> Path:
     mem.set_xticks([j + 0.4 - width / 2 for j in range(len(labels))])
     mem.set_xticklabels(labels, rotation=35, ha="right", fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return fig
 
 
 def timeline_chart(spans: list[Span], path: Path, title: str) -> Path:
