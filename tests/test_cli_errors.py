@@ -90,3 +90,4 @@ def test_plain_cpu_banner_says_the_optimizer_steps_in_place(tmp_path):
     assert "simulated" not in done.stdout
     assert "SWAPOPT_DEVICE=cpu: plain CPU" in done.stdout and "steps in place" in done.stdout
     assert "optimizer traffic: none" in done.stdout
+    assert "Failed to initialize NumPy" not in done.stderr  # numpy is a dependency
