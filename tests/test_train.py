@@ -68,6 +68,10 @@ def _torchrun(*args: str) -> str:
            "-m", "swapopt.train", TINY, *args]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
+    # Under torchrun the result lines come from rank 0 only, and every log line names its rank.
+    assert done.stdout.count("done: ") == 1
+    logs = [line for line in done.stderr.splitlines() if " | INFO    | " in line]
+    assert logs and all(line.startswith(("[rank 0] ", "[rank 1] ")) for line in logs), done.stderr
     return done.stdout
 
 
@@ -137,3 +141,21 @@ def test_numpy_is_a_dependency_and_outputs_are_ignored():
     assert any(d.split(">")[0].split("=")[0].strip() == "numpy" for d in deps)
     ignored = (ROOT / ".gitignore").read_text().splitlines()
     assert "work_dirs/" in ignored and "*.jsonl" in ignored
+
+
+def test_progress_bar_shows_an_eta(clean_device_env):
+    import io
+
+    from rich.console import Console
+
+    from swapopt.engine.config import load_config
+    from swapopt.engine.preflight import plan_device
+    from swapopt.train import device_context, run
+
+    cfg = load_config(TINY, [*SMALL, "train.steps=3"])
+    buffer = io.StringIO()
+    console = Console(file=buffer, force_terminal=True, width=150)
+    with device_context(cfg, plan_device(cfg)):
+        summary = run(cfg, console, modeled=True)
+    assert len(summary["losses"]) == 3
+    assert "eta" in buffer.getvalue()
