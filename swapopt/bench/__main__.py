@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import os
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
@@ -187,6 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         return _error("the benchmark draws its charts with matplotlib, which is not installed: "
                       "pip install 'swapopt[bench]'")
+    if (os.environ.get("SWAPOPT_DEVICE") or "").strip().lower() == "cpu" and not args.render:
+        return _error("SWAPOPT_DEVICE=cpu: the benchmark compares device-side strategies and needs a GPU/NPU or "
+                      "the simulator; unset SWAPOPT_DEVICE (without an accelerator the simulator is used)")
     try:
         kind = "sim" if args.sim or args.render else device.get_device()
         if args.sim:

@@ -107,14 +107,15 @@ def plan_device(cfg: EngineConfig) -> DevicePlan:
     if explicit_cpu:
         source = "train.device=cpu" if wanted == "cpu" else f"{DEVICE_ENV}=cpu"
         return DevicePlan(kind="plain-cpu", reason=f"{source}: plain CPU, no accelerator and no simulator")
-    if wanted == "sim" or (wanted == "auto" and detected == "cpu"):
+    if wanted == "sim" or (wanted == "auto" and detected in ("cpu", "sim")):
         from device import sim
 
         presets = list(sim.PRESETS)
         if tcfg.sim_preset.lower() not in presets:
             raise ConfigError(f"train.sim_preset={tcfg.sim_preset!r}: unknown simulator preset; choose one of: "
                               f"{', '.join(presets)}{suggest(tcfg.sim_preset.lower(), presets)}")
-        reason = "simulator requested" if wanted == "sim" else "no accelerator found"
+        reason = ("simulator requested" if wanted == "sim" else
+                  f"{DEVICE_ENV}=sim" if detected == "sim" else "no accelerator found")
         return DevicePlan(kind="sim", preset=tcfg.sim_preset.lower(), reason=reason)
     return DevicePlan(kind=detected if wanted == "auto" else wanted, reason="")
 
@@ -204,7 +205,7 @@ def _fmt_s(s: float) -> str:
 def describe(est: Estimate) -> str:
     avail = "" if est.available_bytes is None else f" of {est.available_bytes / GiB:.1f} GiB available"
     return (f"model: {est.n_params / 1e6:,.2f}M params; host RAM needed about {est.host_bytes / GiB:.1f} GiB{avail}; "
-            f"estimated at least {_fmt_s(est.step_s)} per step on this CPU "
+            f"estimated about {_fmt_s(est.step_s)} per step on this CPU "
             f"({est.step_flops / 1e9:,.0f} GFLOP at a measured {est.cpu_flops / 1e9:.0f} GFLOP/s)")
 
 
