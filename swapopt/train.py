@@ -14,6 +14,7 @@ line and exit code 2 before anything is written; Ctrl-C ends with one line sayin
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -131,11 +132,14 @@ def run(cfg: EngineConfig, console: Console, label: str = "train", modeled: bool
     finished step and checkpoint as they happen (read by the interrupt watchdog)."""
     tcfg = cfg.train
     state = progress_state if progress_state is not None else {}
+    bookkeeping = guard.critical if guard is not None else contextlib.nullcontext
     prefix = "" if label == "train" else f"{label}: "
     engine = None
     checkpoint: Path | None = None
     metrics_file = None
     summary: dict[str, Any] = {"start_step": 0}
+    last: dict[str, Any] | None = None  # metrics of the newest finished step
+    written = 0  # newest step whose metrics line is in the file
     try:
         engine = TrainEngine(cfg)
         if guard is not None:
@@ -149,27 +153,29 @@ def run(cfg: EngineConfig, console: Console, label: str = "train", modeled: bool
             if tcfg.resume:
                 _trim_metrics(path, engine.step)
             metrics_file = open(path, "a" if tcfg.resume else "w")
-        summary = {"start_step": engine.step, "losses": [], "mem_peak_bytes": None,
-                                   "swap_bytes": 0, "h2d_bytes": 0, "d2h_bytes": 0, "n_params": engine.n_params,
-                                   "swapping": engine.swapping, "world_size": engine.world_size,
-                                   "rank": engine.rank}
+        summary = {"start_step": engine.step, "losses": [], "mem_peak_bytes": None, "swap_bytes": 0,
+                   "h2d_bytes": 0, "d2h_bytes": 0, "n_params": engine.n_params, "swapping": engine.swapping,
+                   "world_size": engine.world_size, "rank": engine.rank}
+        written = engine.step
         start = time.perf_counter()
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                    TextColumn("eta"), TimeRemainingColumn())
         with Progress(*columns, console=console, disable=not main_rank, transient=True) as progress:
             task = progress.add_task(label, total=tcfg.steps, completed=engine.step)
             while engine.step < tcfg.steps:
-                m = engine.train_step()
-                state["step"] = engine.step
-                summary["losses"].append(m["loss"])
-                summary["swap_bytes"] += m.get("swap_bytes", 0)
-                summary["h2d_bytes"] += m.get("swap_h2d_bytes", 0)
-                summary["d2h_bytes"] += m.get("swap_d2h_bytes", 0)
-                if m["mem_peak_bytes"] is not None:
-                    summary["mem_peak_bytes"] = max(summary["mem_peak_bytes"] or 0, m["mem_peak_bytes"])
-                if metrics_file:
-                    metrics_file.write(json.dumps(m) + "\n")
-                    metrics_file.flush()  # a killed run keeps every finished step
+                m = last = engine.train_step()
+                with bookkeeping():  # a Ctrl-C here waits until the step's line is written, once
+                    state["step"] = engine.step
+                    summary["losses"].append(m["loss"])
+                    summary["swap_bytes"] += m.get("swap_bytes", 0)
+                    summary["h2d_bytes"] += m.get("swap_h2d_bytes", 0)
+                    summary["d2h_bytes"] += m.get("swap_d2h_bytes", 0)
+                    if m["mem_peak_bytes"] is not None:
+                        summary["mem_peak_bytes"] = max(summary["mem_peak_bytes"] or 0, m["mem_peak_bytes"])
+                    if metrics_file:
+                        metrics_file.write(json.dumps(m) + "\n")
+                        metrics_file.flush()  # a killed run keeps every finished step
+                    written = m["step"]
                 if main_rank and (m["step"] % tcfg.log_interval == 0 or m["step"] in (1, tcfg.steps)):
                     progress.console.print(step_line(m, modeled, prefix))
                 progress.update(task, completed=engine.step, description=f"{label}  loss {m['loss']:.4f}")
@@ -188,6 +194,9 @@ def run(cfg: EngineConfig, console: Console, label: str = "train", modeled: bool
             checkpoint = engine.save_checkpoint()
     except KeyboardInterrupt:
         step = engine.step if engine is not None else 0
+        if metrics_file and last is not None and last["step"] == step and written < step:
+            # Ctrl-C landed between the end of a step and its metrics line: the step is done, so is its line.
+            metrics_file.write(json.dumps(last) + "\n")
         saved_now = checkpoint is not None and checkpoint.name == f"step_{step:08d}"
         if (engine is not None and step > summary["start_step"] and tcfg.save_on_interrupt and tcfg.checkpoint_dir and not saved_now
                 and not (guard is not None and guard.torn)):
