@@ -23,6 +23,7 @@ from pydantic import BaseModel
 
 import device
 from swapopt import checkpoint, copying, hoststate, perparam, recovery
+from swapopt.arena import Arenas, Run, itemsize
 from swapopt.hoststate import is_swapped_state, local, new_host_like, wrap_like
 from swapopt.operate import SwapOptimizerOperate
 from swapopt.plan import DEFAULT_ALIGN, SLOT_ALIGN as _SLOT_ALIGN, ParamSize, Plan, make_plan
@@ -145,6 +146,15 @@ class _Prepared:
     slot_bytes: int
     resident: list[torch.Tensor]
     last_chunk: dict[torch.Tensor, int] = field(default_factory=dict)
+    runs: list[list[Run]] = field(default_factory=list)  # per chunk: merged copies of arena regions
+    covered: list[frozenset[int]] = field(default_factory=list)  # per chunk: regions a run moves
+
+
+class _ChunkViews(list):
+    """Per piece of one chunk: {key: (value the optimizer sees, slot view, host view)}; ``runs``: the
+    (host, slot) byte views of the chunk's merged copies."""
+
+    runs: list[tuple[torch.Tensor, torch.Tensor]]
 
 
 class SwapOptimizer(torch.optim.Optimizer):
@@ -191,6 +201,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         self.operate = SwapOptimizerOperate(slots)
         self._elementwise = perparam.is_elementwise(type(optimizer))
         self._pre_hosts: dict[torch.Tensor, dict[str, torch.Tensor]] = {}  # see _preallocate
+        self._arenas = Arenas()  # pinned buffers holding new states in chunk order (swapopt.arena)
         self._step_fn = _raw_step(optimizer)
         self._host: dict[torch.Tensor, _Host] = {}
         self._prepared: _Prepared | None = None
@@ -540,10 +551,16 @@ class SwapOptimizer(torch.optim.Optimizer):
         slot_bytes = max((r[-1].offset + r[-1].nbytes for r in regions if r), default=0)
         last_chunk = {params[i]: k for i, k in plan.last_chunk.items()}
         key = (tuple(map(id, params)), tuple(groups), tuple(gather), self._version)
-        self._prepared = _Prepared(key, params, groups, flat, plan, regions, slot_bytes, resident, last_chunk)
+        if len(self._arenas):
+            self._arenas.prune([t for e in self._host.values() for t in e.locals])
+        runs = [self._arenas.runs(r) for r in regions]
+        covered = [frozenset(i for run in rs for i in run.regions) for rs in runs]
+        self._prepared = _Prepared(
+            key, params, groups, flat, plan, regions, slot_bytes, resident, last_chunk, runs, covered
+        )
         logger.debug(
-            "swapopt plan: {} params, {} chunks, budget {:.2f} MiB, slot {:.2f} MiB, {} resident",
-            len(params), len(plan.chunks), plan.budget / MiB, slot_bytes / MiB, len(resident),
+            "swapopt plan: {} params, {} chunks, budget {:.2f} MiB, slot {:.2f} MiB, {} resident, {} merged copies",
+            len(params), len(plan.chunks), plan.budget / MiB, slot_bytes / MiB, len(resident), sum(map(len, runs)),
         )  # fmt: skip
         return self._prepared
 
@@ -576,14 +593,41 @@ class SwapOptimizer(torch.optim.Optimizer):
         out: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
         if not self._elementwise:
             return out
-        for i, p in enumerate(prep.params):
-            if p in self._host or p in self._resident or self.state.get(p):
-                continue
-            probed = self._probe(p, prep.groups[i])
-            if probed is None:
-                continue
-            out[p] = {key: new_host_like(p, dtype) for key, dtype, shaped in probed[1] if shaped}
+        for chunk in prep.plan.chunks:
+            # Whole params whose states are all param-shaped go into one arena per chunk, at the offsets
+            # their regions take in the slot, so the chunk's states later move in one copy (swapopt.arena).
+            placed: list[tuple[torch.Tensor, str, torch.dtype, int]] = []
+            end = 0
+            for piece in chunk.pieces:
+                i = piece.index
+                p = prep.params[i]
+                if p in out or p in self._host or p in self._resident or self.state.get(p):
+                    continue
+                probed = self._probe(p, prep.groups[i])
+                if probed is None:
+                    continue
+                loc = local(p)
+                whole = piece.start == 0 and piece.stop == loc.numel()
+                gathered = prep.flat[i] and p.grad is not None and not hoststate.same_layout(local(p.grad), loc)
+                if not whole or gathered or not all(shaped for _, _, shaped in probed[1]):
+                    out[p] = {key: new_host_like(p, dtype) for key, dtype, shaped in probed[1] if shaped}
+                    continue
+                out[p] = {}
+                for key, dtype, _ in probed[1]:
+                    size = itemsize(dtype)
+                    if end % size:  # packed without padding: a misaligned dtype starts a new arena
+                        self._place(placed, end, out)
+                        placed, end = [], 0
+                    placed.append((p, key, dtype, end))
+                    end += loc.numel() * size
+            self._place(placed, end, out)
         return out
+
+    def _place(self, placed: list, nbytes: int, out: dict) -> None:
+        if placed:
+            base = self._arenas.allocate(nbytes)
+            for p, key, dtype, offset in placed:
+                out[p][key] = self._arenas.place(base, offset, p, dtype)
 
     def _regions(self, pieces, params: list[torch.Tensor], flat: list[bool], gather: list[bool]) -> list[_Region]:
         """Slot layout of one chunk: one region per (piece, host state), in piece order, plus one for
@@ -593,8 +637,11 @@ class SwapOptimizer(torch.optim.Optimizer):
 
         def add(r: _Region) -> None:
             nonlocal offset
+            if regions and self._arenas.adjacent(regions[-1].host, r.host):
+                # packed like its arena, so both move in one copy (swapopt.arena); never more than padded
+                r.offset = regions[-1].offset + regions[-1].nbytes
             regions.append(r)
-            offset += -(-r.nbytes // _SLOT_ALIGN) * _SLOT_ALIGN
+            offset = -(-(r.offset + r.nbytes) // _SLOT_ALIGN) * _SLOT_ALIGN
 
         for pos, piece in enumerate(pieces):
             p = params[piece.index]
@@ -630,14 +677,19 @@ class SwapOptimizer(torch.optim.Optimizer):
         """Per piece of chunk k: {key: (value the optimizer sees, slot view, host view the swap-out
         writes)}, with the H2D copies filling the slot views queued."""
         chunk = prep.plan.chunks[k]
-        views: list[dict[str, tuple]] = [{} for _ in chunk.pieces]
+        views = _ChunkViews({} for _ in chunk.pieces)
         slot = self.operate.slot(k)
-        copies = []
-        for r in prep.regions[k]:
+        covered = prep.covered[k]
+        # a run's bytes: one copy per direction for the regions it covers
+        views.runs = [(run.host, slot[run.offset : run.offset + run.nbytes]) for run in prep.runs[k]] if slot is not None else []
+        copies = [(dev, host) for host, dev in views.runs]
+        for i, r in enumerate(prep.regions[k]):
             v = self._region_view(r, slot)
-            views[r.piece][r.key] = (wrap_like(r.layout, v) if r.layout is not None else v, v, r.host)
-            if r.host is not None and r.nbytes:
-                copies.append((v, r.host))
+            moved = i in covered and slot is not None
+            host = None if moved else r.host  # None: the swap-out leaves it to the run
+            views[r.piece][r.key] = (wrap_like(r.layout, v) if r.layout is not None else v, v, host)
+            if host is not None and r.nbytes:
+                copies.append((v, host))
         self.operate.swap_in(k, copies)
         return views, sum(r.nbytes for r in prep.regions[k] if r.host is not None)
 
@@ -718,7 +770,7 @@ class SwapOptimizer(torch.optim.Optimizer):
                 new = local(value)
                 if new.data_ptr() != slot_view.data_ptr():
                     slot_view.copy_(new)  # the optimizer replaced the tensor instead of updating it
-                if slot_view.numel():
+                if slot_view.numel() and host is not None:  # None: a run of the chunk copies it out
                     copies.append((host, slot_view))
             elif is_swapped_state(t, key, value):  # created by the optimizer this step
                 src = local(value)
@@ -769,7 +821,10 @@ class SwapOptimizer(torch.optim.Optimizer):
             progress["stage"] = ("output", k)
             progress["chunk"] = (targets, chunk_state, views)
             copies, hold, finals = self._chunk_output(prep, k, targets, chunk_state, views, pending)
-            nbytes = sum(src.numel() * src.element_size() for _, src in copies)
+            # a run also moves padding: count the bytes of the states it carries
+            merged = len(views.runs) if isinstance(views, _ChunkViews) else 0
+            nbytes = sum(src.numel() * src.element_size() for _, src in copies[merged:])
+            nbytes += sum(prep.regions[k][i].nbytes for i in prep.covered[k]) if merged else 0
             op.end_update(k)
         op.swap_out(k, copies, hold)
         for p, scalars in finals:  # the param is fully stepped: publish its scalars and new host states
@@ -780,7 +835,7 @@ class SwapOptimizer(torch.optim.Optimizer):
 
     def _chunk_output(self, prep: _Prepared, k: int, targets: list, chunk_state: dict, views: list, pending: dict):
         """Swap-out copies, device tensors to hold, and (param, scalars) of params whose last piece this is."""
-        copies, hold, finals = [], [], []
+        copies, hold, finals = list(getattr(views, "runs", ())), [], []
         for pos, piece in enumerate(prep.plan.chunks[k].pieces):
             t = targets[pos]
             entered = t in chunk_state
