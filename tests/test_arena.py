@@ -103,6 +103,11 @@ def test_states_are_views_of_one_arena_per_chunk_and_save_at_their_own_size(tmp_
         state_bytes = sum(
             v.numel() * v.element_size() for st in sd["state"].values() for k, v in st.items() if k != "step"
         )
+        # each saved state has a storage of its own bytes (torch.save, DCP and async staging copy storages)
+        assert all(
+            v.untyped_storage().nbytes() == v.numel() * v.element_size()
+            for st in sd["state"].values() for k, v in st.items() if k != "step"
+        )  # fmt: skip
         buf = io.BytesIO()
         torch.save(sd, buf)
         assert state_bytes <= buf.tell() < state_bytes * 1.1 + 64 * 1024
