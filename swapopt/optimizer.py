@@ -729,9 +729,11 @@ class SwapOptimizer(torch.optim.Optimizer):
         self, prep: _Prepared, piece, views: dict[str, tuple]
     ) -> tuple[torch.Tensor, dict[str, Any] | None]:
         """The tensor the inner optimizer steps for one piece and its state dict (None when p has no
-        state entry): swapped states are the device views in ``views``, scalar states are clones
-        (written back once the whole param is done)."""
+        state entry): swapped states are the device views in ``views``; scalar states are the param's
+        own when the piece is the whole param (restored from a per-chunk snapshot if its update fails,
+        see _snapshot_scalars), clones for a piece of a split param (written back once it is done)."""
         p = prep.params[piece.index]
+        whole = not prep.flat[piece.index] or (piece.start == 0 and piece.stop == local(p).numel())
         if prep.flat[piece.index]:  # a leaf view of the flat range in memory order, its grad likewise
             t = hoststate.flat_view(local(p).detach())[piece.start : piece.stop]
             g = local(p.grad)
@@ -751,7 +753,7 @@ class SwapOptimizer(torch.optim.Optimizer):
             if key in views:
                 pst[key] = views[key][0]
             elif isinstance(value, torch.Tensor):
-                pst[key] = value.clone()
+                pst[key] = value if whole else value.clone()
             else:
                 pst[key] = value
         return t, pst
@@ -816,6 +818,7 @@ class SwapOptimizer(torch.optim.Optimizer):
                     chunk_state[t] = pst
                 chunk_groups[prep.groups[piece.index]].append(t)
                 targets.append(t)
+            progress["scalars"] = self._snapshot_scalars(prep, chunk, chunk_state, targets)
             progress["stage"] = ("update", k)
             self._run_inner(chunk_groups, chunk_state, kwargs)
             progress["stage"] = ("output", k)
@@ -831,7 +834,23 @@ class SwapOptimizer(torch.optim.Optimizer):
             self._publish(p, scalars, pending)
         progress["stage"] = ("done", k)
         progress.pop("chunk", None)
+        progress.pop("scalars", None)
         return nbytes
+
+    def _snapshot_scalars(self, prep: _Prepared, chunk, chunk_state: dict, targets: list) -> list:
+        """(own tensors, copies) of the scalar tensor states the chunk's update steps in place: one copy
+        per device and dtype (a foreach op), not a clone per param, so that a failing update can put
+        them back (Note [failure semantics])."""
+        groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+        for piece, t in zip(chunk.pieces, targets):
+            pst = chunk_state.get(t)
+            if not pst:
+                continue
+            own = self.state[prep.params[piece.index]]
+            for key, value in pst.items():
+                if isinstance(value, torch.Tensor) and own.get(key) is value:
+                    groups[(value.device, value.dtype)].append(value)
+        return [(ts, torch._foreach_mul(ts, 1)) for ts in groups.values()]
 
     def _chunk_output(self, prep: _Prepared, k: int, targets: list, chunk_state: dict, views: list, pending: dict):
         """Swap-out copies, device tensors to hold, and (param, scalars) of params whose last piece this is."""
