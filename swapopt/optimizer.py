@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
@@ -540,6 +540,12 @@ class SwapOptimizer(torch.optim.Optimizer):
             resident_bytes=int(self.resident_mb * MiB),
             align=DEFAULT_ALIGN,
         )
+        # A splittable param the plan left whole is stepped as itself, with states shaped like it: no
+        # per-step flat views of it or its grad (DTensor and gathered ones keep the flat path).
+        pieces_of = Counter(pc.index for c in plan.chunks for pc in c.pieces)
+        flat = [
+            f and (pieces_of[i] > 1 or gather[i] or hoststate.is_dtensor(params[i])) for i, f in enumerate(flat)
+        ]
         resident = [params[i] for i in plan.resident]
         self._resident = set(resident)
         for p in resident:
