@@ -108,6 +108,13 @@ def _refuse(optimizer: Any, per_param: bool) -> None:
         )
 
 
+def _unlike(grad: torch.Tensor, param: torch.Tensor) -> bool:
+    """A grad laid out unlike its dense param; equal shape and strides settle it without a layout walk."""
+    if grad.shape == param.shape and grad.stride() == param.stride():
+        return False
+    return not hoststate.same_layout(grad, param)
+
+
 @dataclass(eq=False)
 class _Host:
     """Host states of one param as cached by the planner: the tensors stored in opt.state and their
@@ -202,6 +209,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         self._elementwise = perparam.is_elementwise(type(optimizer))
         self._pre_hosts: dict[torch.Tensor, dict[str, torch.Tensor]] = {}  # see _preallocate
         self._arenas = Arenas()  # pinned buffers holding new states in chunk order (swapopt.arena)
+        self._split_cache: dict[torch.Tensor, tuple] = {}  # see _splittable
         self._step_fn = _raw_step(optimizer)
         self._host: dict[torch.Tensor, _Host] = {}
         self._prepared: _Prepared | None = None
@@ -275,6 +283,7 @@ class SwapOptimizer(torch.optim.Optimizer):
     def invalidate(self) -> None:
         """Forget cached host layouts and the plan (call after replacing state tensors by hand)."""
         self._host.clear()
+        self._split_cache.clear()
         self._prepared = None
         self._version += 1
 
@@ -509,10 +518,19 @@ class SwapOptimizer(torch.optim.Optimizer):
         """p may be cut into flat pieces in memory order: an element-wise optimizer, a dense param and
         host states laid out like it (so the same flat range of each pairs the same elements)."""
         loc = local(p)
-        if not (self._elementwise and hoststate.is_dense(loc)):
-            return False
+        # cached until host layouts change (_version) or the param's own layout does
+        key = (self._version, loc.shape, loc.stride())
+        hit = self._split_cache.get(p)
+        if hit is not None and hit[0] == key:
+            return hit[1]
         entry = self._host.get(p)
-        return entry is None or all(hoststate.same_layout(t, loc) for t in entry.locals)
+        ok = (
+            self._elementwise
+            and hoststate.is_dense(loc)
+            and (entry is None or all(hoststate.same_layout(t, loc) for t in entry.locals))
+        )
+        self._split_cache[p] = (key, ok)
+        return ok
 
     def _prepare(self, params: list[torch.Tensor], groups: list[int]) -> _Prepared:
         for p in params:  # resident params keep device states: nothing to check for them
@@ -520,7 +538,7 @@ class SwapOptimizer(torch.optim.Optimizer):
                 self._cache_host(p)
         flat = [self._splittable(p) for p in params]
         # A grad laid out unlike its split param is gathered piece by piece into the slot (never whole).
-        gather = [f and not hoststate.same_layout(local(p.grad), local(p)) for p, f in zip(params, flat)]
+        gather = [f and _unlike(local(p.grad), local(p)) for p, f in zip(params, flat)]
         key = (tuple(map(id, params)), tuple(groups), tuple(gather), self._version)
         if self._prepared is not None and self._prepared.key == key:
             return self._prepared
