@@ -19,11 +19,6 @@ import torch
 
 import device
 from swapopt import hoststate
-from swapopt.plan import SLOT_ALIGN
-
-
-def padded(nbytes: int) -> int:
-    return -(-nbytes // SLOT_ALIGN) * SLOT_ALIGN
 
 
 def itemsize(dtype: torch.dtype) -> int:
