@@ -34,6 +34,9 @@ def state_dict(opt) -> dict[str, Any]:
     # Between steps the swapped states are the pinned host tensors (DTensors over host shards for DTensor
     # params), so the inner optimizer's own state_dict already has the right format and copies nothing.
     sd = opt.optimizer.state_dict()
+    arenas = getattr(opt, "_arenas", None)
+    if arenas is not None and len(arenas):  # new dicts: the inner's state_dict shares the per-param ones
+        sd["state"] = {i: {k: arenas.own_bytes(v) for k, v in st.items()} for i, st in sd["state"].items()}
     for hook in opt._optimizer_state_dict_post_hooks.values():
         result = hook(opt, sd)
         if result is not None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
@@ -23,6 +23,7 @@ from pydantic import BaseModel
 
 import device
 from swapopt import checkpoint, copying, hoststate, perparam, recovery
+from swapopt.arena import Arenas, Run, itemsize
 from swapopt.hoststate import is_swapped_state, local, new_host_like, wrap_like
 from swapopt.operate import SwapOptimizerOperate
 from swapopt.plan import DEFAULT_ALIGN, SLOT_ALIGN as _SLOT_ALIGN, ParamSize, Plan, make_plan
@@ -107,6 +108,13 @@ def _refuse(optimizer: Any, per_param: bool) -> None:
         )
 
 
+def _unlike(grad: torch.Tensor, param: torch.Tensor) -> bool:
+    """A grad laid out unlike its dense param; equal shape and strides settle it without a layout walk."""
+    if grad.shape == param.shape and grad.stride() == param.stride():
+        return False
+    return not hoststate.same_layout(grad, param)
+
+
 @dataclass(eq=False)
 class _Host:
     """Host states of one param as cached by the planner: the tensors stored in opt.state and their
@@ -145,6 +153,15 @@ class _Prepared:
     slot_bytes: int
     resident: list[torch.Tensor]
     last_chunk: dict[torch.Tensor, int] = field(default_factory=dict)
+    runs: list[list[Run]] = field(default_factory=list)  # per chunk: merged copies of arena regions
+    covered: list[frozenset[int]] = field(default_factory=list)  # per chunk: regions a run moves
+
+
+class _ChunkViews(list):
+    """Per piece of one chunk: {key: (value the optimizer sees, slot view, host view)}; ``runs``: the
+    (host, slot) byte views of the chunk's merged copies."""
+
+    runs: list[tuple[torch.Tensor, torch.Tensor]]
 
 
 class SwapOptimizer(torch.optim.Optimizer):
@@ -191,6 +208,8 @@ class SwapOptimizer(torch.optim.Optimizer):
         self.operate = SwapOptimizerOperate(slots)
         self._elementwise = perparam.is_elementwise(type(optimizer))
         self._pre_hosts: dict[torch.Tensor, dict[str, torch.Tensor]] = {}  # see _preallocate
+        self._arenas = Arenas()  # pinned buffers holding new states in chunk order (swapopt.arena)
+        self._split_cache: dict[torch.Tensor, tuple] = {}  # see _splittable
         self._step_fn = _raw_step(optimizer)
         self._host: dict[torch.Tensor, _Host] = {}
         self._prepared: _Prepared | None = None
@@ -264,6 +283,7 @@ class SwapOptimizer(torch.optim.Optimizer):
     def invalidate(self) -> None:
         """Forget cached host layouts and the plan (call after replacing state tensors by hand)."""
         self._host.clear()
+        self._split_cache.clear()
         self._prepared = None
         self._version += 1
 
@@ -498,10 +518,19 @@ class SwapOptimizer(torch.optim.Optimizer):
         """p may be cut into flat pieces in memory order: an element-wise optimizer, a dense param and
         host states laid out like it (so the same flat range of each pairs the same elements)."""
         loc = local(p)
-        if not (self._elementwise and hoststate.is_dense(loc)):
-            return False
+        # cached until host layouts change (_version) or the param's own layout does
+        key = (self._version, loc.shape, loc.stride())
+        hit = self._split_cache.get(p)
+        if hit is not None and hit[0] == key:
+            return hit[1]
         entry = self._host.get(p)
-        return entry is None or all(hoststate.same_layout(t, loc) for t in entry.locals)
+        ok = (
+            self._elementwise
+            and hoststate.is_dense(loc)
+            and (entry is None or all(hoststate.same_layout(t, loc) for t in entry.locals))
+        )
+        self._split_cache[p] = (key, ok)
+        return ok
 
     def _prepare(self, params: list[torch.Tensor], groups: list[int]) -> _Prepared:
         for p in params:  # resident params keep device states: nothing to check for them
@@ -509,7 +538,7 @@ class SwapOptimizer(torch.optim.Optimizer):
                 self._cache_host(p)
         flat = [self._splittable(p) for p in params]
         # A grad laid out unlike its split param is gathered piece by piece into the slot (never whole).
-        gather = [f and not hoststate.same_layout(local(p.grad), local(p)) for p, f in zip(params, flat)]
+        gather = [f and _unlike(local(p.grad), local(p)) for p, f in zip(params, flat)]
         key = (tuple(map(id, params)), tuple(groups), tuple(gather), self._version)
         if self._prepared is not None and self._prepared.key == key:
             return self._prepared
@@ -529,6 +558,12 @@ class SwapOptimizer(torch.optim.Optimizer):
             resident_bytes=int(self.resident_mb * MiB),
             align=DEFAULT_ALIGN,
         )
+        # A splittable param the plan left whole is stepped as itself, with states shaped like it: no
+        # per-step flat views of it or its grad (DTensor and gathered ones keep the flat path).
+        pieces_of = Counter(pc.index for c in plan.chunks for pc in c.pieces)
+        flat = [
+            f and (pieces_of[i] > 1 or gather[i] or hoststate.is_dtensor(params[i])) for i, f in enumerate(flat)
+        ]
         resident = [params[i] for i in plan.resident]
         self._resident = set(resident)
         for p in resident:
@@ -540,10 +575,16 @@ class SwapOptimizer(torch.optim.Optimizer):
         slot_bytes = max((r[-1].offset + r[-1].nbytes for r in regions if r), default=0)
         last_chunk = {params[i]: k for i, k in plan.last_chunk.items()}
         key = (tuple(map(id, params)), tuple(groups), tuple(gather), self._version)
-        self._prepared = _Prepared(key, params, groups, flat, plan, regions, slot_bytes, resident, last_chunk)
+        if len(self._arenas):
+            self._arenas.prune([t for e in self._host.values() for t in e.locals])
+        runs = [self._arenas.runs(r) for r in regions]
+        covered = [frozenset(i for run in rs for i in run.regions) for rs in runs]
+        self._prepared = _Prepared(
+            key, params, groups, flat, plan, regions, slot_bytes, resident, last_chunk, runs, covered
+        )
         logger.debug(
-            "swapopt plan: {} params, {} chunks, budget {:.2f} MiB, slot {:.2f} MiB, {} resident",
-            len(params), len(plan.chunks), plan.budget / MiB, slot_bytes / MiB, len(resident),
+            "swapopt plan: {} params, {} chunks, budget {:.2f} MiB, slot {:.2f} MiB, {} resident, {} merged copies",
+            len(params), len(plan.chunks), plan.budget / MiB, slot_bytes / MiB, len(resident), sum(map(len, runs)),
         )  # fmt: skip
         return self._prepared
 
@@ -576,14 +617,41 @@ class SwapOptimizer(torch.optim.Optimizer):
         out: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
         if not self._elementwise:
             return out
-        for i, p in enumerate(prep.params):
-            if p in self._host or p in self._resident or self.state.get(p):
-                continue
-            probed = self._probe(p, prep.groups[i])
-            if probed is None:
-                continue
-            out[p] = {key: new_host_like(p, dtype) for key, dtype, shaped in probed[1] if shaped}
+        for chunk in prep.plan.chunks:
+            # Whole params whose states are all param-shaped go into one arena per chunk, at the offsets
+            # their regions take in the slot, so the chunk's states later move in one copy (swapopt.arena).
+            placed: list[tuple[torch.Tensor, str, torch.dtype, int]] = []
+            end = 0
+            for piece in chunk.pieces:
+                i = piece.index
+                p = prep.params[i]
+                if p in out or p in self._host or p in self._resident or self.state.get(p):
+                    continue
+                probed = self._probe(p, prep.groups[i])
+                if probed is None:
+                    continue
+                loc = local(p)
+                whole = piece.start == 0 and piece.stop == loc.numel()
+                gathered = prep.flat[i] and p.grad is not None and not hoststate.same_layout(local(p.grad), loc)
+                if not whole or gathered or not all(shaped for _, _, shaped in probed[1]):
+                    out[p] = {key: new_host_like(p, dtype) for key, dtype, shaped in probed[1] if shaped}
+                    continue
+                out[p] = {}
+                for key, dtype, _ in probed[1]:
+                    size = itemsize(dtype)
+                    if end % size:  # packed without padding: a misaligned dtype starts a new arena
+                        self._place(placed, end, out)
+                        placed, end = [], 0
+                    placed.append((p, key, dtype, end))
+                    end += loc.numel() * size
+            self._place(placed, end, out)
         return out
+
+    def _place(self, placed: list, nbytes: int, out: dict) -> None:
+        if placed:
+            base = self._arenas.allocate(nbytes)
+            for p, key, dtype, offset in placed:
+                out[p][key] = self._arenas.place(base, offset, p, dtype)
 
     def _regions(self, pieces, params: list[torch.Tensor], flat: list[bool], gather: list[bool]) -> list[_Region]:
         """Slot layout of one chunk: one region per (piece, host state), in piece order, plus one for
@@ -593,8 +661,11 @@ class SwapOptimizer(torch.optim.Optimizer):
 
         def add(r: _Region) -> None:
             nonlocal offset
+            if regions and self._arenas.adjacent(regions[-1].host, r.host):
+                # packed like its arena, so both move in one copy (swapopt.arena); never more than padded
+                r.offset = regions[-1].offset + regions[-1].nbytes
             regions.append(r)
-            offset += -(-r.nbytes // _SLOT_ALIGN) * _SLOT_ALIGN
+            offset = -(-(r.offset + r.nbytes) // _SLOT_ALIGN) * _SLOT_ALIGN
 
         for pos, piece in enumerate(pieces):
             p = params[piece.index]
@@ -630,14 +701,19 @@ class SwapOptimizer(torch.optim.Optimizer):
         """Per piece of chunk k: {key: (value the optimizer sees, slot view, host view the swap-out
         writes)}, with the H2D copies filling the slot views queued."""
         chunk = prep.plan.chunks[k]
-        views: list[dict[str, tuple]] = [{} for _ in chunk.pieces]
+        views = _ChunkViews({} for _ in chunk.pieces)
         slot = self.operate.slot(k)
-        copies = []
-        for r in prep.regions[k]:
+        covered = prep.covered[k]
+        # a run's bytes: one copy per direction for the regions it covers
+        views.runs = [(run.host, slot[run.offset : run.offset + run.nbytes]) for run in prep.runs[k]] if slot is not None else []
+        copies = [(dev, host) for host, dev in views.runs]
+        for i, r in enumerate(prep.regions[k]):
             v = self._region_view(r, slot)
-            views[r.piece][r.key] = (wrap_like(r.layout, v) if r.layout is not None else v, v, r.host)
-            if r.host is not None and r.nbytes:
-                copies.append((v, r.host))
+            moved = i in covered and slot is not None
+            host = None if moved else r.host  # None: the swap-out leaves it to the run
+            views[r.piece][r.key] = (wrap_like(r.layout, v) if r.layout is not None else v, v, host)
+            if host is not None and r.nbytes:
+                copies.append((v, host))
         self.operate.swap_in(k, copies)
         return views, sum(r.nbytes for r in prep.regions[k] if r.host is not None)
 
@@ -677,9 +753,11 @@ class SwapOptimizer(torch.optim.Optimizer):
         self, prep: _Prepared, piece, views: dict[str, tuple]
     ) -> tuple[torch.Tensor, dict[str, Any] | None]:
         """The tensor the inner optimizer steps for one piece and its state dict (None when p has no
-        state entry): swapped states are the device views in ``views``, scalar states are clones
-        (written back once the whole param is done)."""
+        state entry): swapped states are the device views in ``views``; scalar states are the param's
+        own when the piece is the whole param (restored from a per-chunk snapshot if its update fails,
+        see _snapshot_scalars), clones for a piece of a split param (written back once it is done)."""
         p = prep.params[piece.index]
+        whole = not prep.flat[piece.index] or (piece.start == 0 and piece.stop == local(p).numel())
         if prep.flat[piece.index]:  # a leaf view of the flat range in memory order, its grad likewise
             t = hoststate.flat_view(local(p).detach())[piece.start : piece.stop]
             g = local(p.grad)
@@ -699,7 +777,7 @@ class SwapOptimizer(torch.optim.Optimizer):
             if key in views:
                 pst[key] = views[key][0]
             elif isinstance(value, torch.Tensor):
-                pst[key] = value.clone()
+                pst[key] = value if whole else value.clone()
             else:
                 pst[key] = value
         return t, pst
@@ -718,7 +796,7 @@ class SwapOptimizer(torch.optim.Optimizer):
                 new = local(value)
                 if new.data_ptr() != slot_view.data_ptr():
                     slot_view.copy_(new)  # the optimizer replaced the tensor instead of updating it
-                if slot_view.numel():
+                if slot_view.numel() and host is not None:  # None: a run of the chunk copies it out
                     copies.append((host, slot_view))
             elif is_swapped_state(t, key, value):  # created by the optimizer this step
                 src = local(value)
@@ -764,23 +842,43 @@ class SwapOptimizer(torch.optim.Optimizer):
                     chunk_state[t] = pst
                 chunk_groups[prep.groups[piece.index]].append(t)
                 targets.append(t)
+            progress["scalars"] = self._snapshot_scalars(prep, chunk, chunk_state, targets)
             progress["stage"] = ("update", k)
             self._run_inner(chunk_groups, chunk_state, kwargs)
             progress["stage"] = ("output", k)
             progress["chunk"] = (targets, chunk_state, views)
             copies, hold, finals = self._chunk_output(prep, k, targets, chunk_state, views, pending)
-            nbytes = sum(src.numel() * src.element_size() for _, src in copies)
+            # a run also moves padding: count the bytes of the states it carries
+            merged = len(views.runs) if isinstance(views, _ChunkViews) else 0
+            nbytes = sum(src.numel() * src.element_size() for _, src in copies[merged:])
+            nbytes += sum(prep.regions[k][i].nbytes for i in prep.covered[k]) if merged else 0
             op.end_update(k)
         op.swap_out(k, copies, hold)
         for p, scalars in finals:  # the param is fully stepped: publish its scalars and new host states
             self._publish(p, scalars, pending)
         progress["stage"] = ("done", k)
         progress.pop("chunk", None)
+        progress.pop("scalars", None)
         return nbytes
+
+    def _snapshot_scalars(self, prep: _Prepared, chunk, chunk_state: dict, targets: list) -> list:
+        """(own tensors, copies) of the scalar tensor states the chunk's update steps in place: one copy
+        per device and dtype (a foreach op), not a clone per param, so that a failing update can put
+        them back (Note [failure semantics])."""
+        groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+        for piece, t in zip(chunk.pieces, targets):
+            pst = chunk_state.get(t)
+            if not pst:
+                continue
+            own = self.state[prep.params[piece.index]]
+            for key, value in pst.items():
+                if isinstance(value, torch.Tensor) and own.get(key) is value:
+                    groups[(value.device, value.dtype)].append(value)
+        return [(ts, torch._foreach_mul(ts, 1)) for ts in groups.values()]
 
     def _chunk_output(self, prep: _Prepared, k: int, targets: list, chunk_state: dict, views: list, pending: dict):
         """Swap-out copies, device tensors to hold, and (param, scalars) of params whose last piece this is."""
-        copies, hold, finals = [], [], []
+        copies, hold, finals = list(getattr(views, "runs", ())), [], []
         for pos, piece in enumerate(prep.plan.chunks[k].pieces):
             t = targets[pos]
             entered = t in chunk_state

@@ -39,6 +39,7 @@ def recover(opt: Any, prep: Any, progress: dict, pending: dict, kwargs: dict) ->
     """The failure path of _swap_step (Note [failure semantics]): drain, complete, roll forward."""
     stage, k = progress.get("stage", ("done", -1))
     chunk = progress.pop("chunk", None)
+    scalars = progress.pop("scalars", None)
     try:
         opt.operate.drain()
         failed, entered = k + 1, False
@@ -50,6 +51,9 @@ def recover(opt: Any, prep: Any, progress: dict, pending: dict, kwargs: dict) ->
             else:
                 failed, entered = k, True
         if entered:
+            # the chunk's own scalar states (step counts) were stepped in place: back to their old values
+            for own, old in scalars or ():
+                torch._foreach_copy_(own, old)
             names = sorted({pc.index for pc in prep.plan.chunks[failed].pieces})
             logger.error(
                 "swapopt: step failed inside the update of chunk {}; these params may be partly updated in "

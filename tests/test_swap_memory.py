@@ -119,8 +119,9 @@ def test_host_bytes_equal_state_bytes_allocated_once(monkeypatch):
         chunks = opt._prepared.plan.chunks
         # 4 chunks cut some 561-element params
         assert any(sum(pc.index == i for c in chunks for pc in c.pieces) > 1 for i in range(len(params)))
-        # exp_avg, exp_avg_sq, max_exp_avg_sq once each, split params included, and never again
-        assert len(calls) == allocated == 3 * len(params)
+        # exp_avg, exp_avg_sq, max_exp_avg_sq allocated in the first step (whole params of a chunk share
+        # one buffer), split params included, and never again
+        assert len(calls) == allocated and 0 < allocated <= 3 * len(params)
         state_bytes = 0
         for p in params:
             for k, v in opt.state[p].items():
@@ -129,7 +130,11 @@ def test_host_bytes_equal_state_bytes_allocated_once(monkeypatch):
                     assert len(ptrs[(id(p), k)]) == 1, "host state reallocated"
                     state_bytes += v.numel() * v.element_size()
         expected = sum(3 * p.numel() * 4 for p in params)
-        host_bytes = sum(v.untyped_storage().nbytes() for p in params for k, v in opt.state[p].items() if _pinned(dev, v))
+        storages = {
+            v.untyped_storage().data_ptr(): v.untyped_storage().nbytes()
+            for p in params for k, v in opt.state[p].items() if _pinned(dev, v)
+        }  # fmt: skip
+        host_bytes = sum(storages.values())
         assert state_bytes == host_bytes == expected
         # all pinned memory is the states: a failing step rolls split params forward, it keeps no copies
         assert dev.host_memory_allocated() == expected

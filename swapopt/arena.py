@@ -1,0 +1,128 @@
+"""Pinned host arenas laid out like a chunk's slot, and the merged copies that move a chunk at once.
+
+The states an element-wise optimizer creates for whole (unsplit) params of one chunk are packed, in
+region order and without padding (pinned bytes stay equal to state bytes), into one pinned buffer.
+The slot packs regions that are adjacent in an arena the same way (``adjacent``), so such regions form
+one run, moved by one H2D and one D2H copy of raw bytes instead of one copy per (param, state).
+
+Only storages allocated here are merged, and only regions that touch: a run's copy never writes a byte
+that belongs to no state of the chunk. Any other host tensor (a state the user replaced, a split
+param's state) keeps a copy of its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+import device
+from swapopt import hoststate
+
+
+def itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(eq=False)
+class Run:
+    """Slot bytes ``[offset, offset + nbytes)`` mirror ``host`` (a uint8 view of an arena)."""
+
+    offset: int
+    nbytes: int
+    host: torch.Tensor
+    regions: tuple[int, ...]  # indices of the chunk's regions it covers
+
+
+class Arenas:
+    """The arena storages allocated by one SwapOptimizer, known by storage address while they live."""
+
+    def __init__(self) -> None:
+        # Held strongly, so an address here is never reused by another allocation while it is listed;
+        # prune() lets go of arenas no state uses any more.
+        self._bases: dict[int, torch.Tensor] = {}
+
+    def allocate(self, nbytes: int) -> torch.Tensor:
+        base = device.pinned_empty((nbytes,), dtype=torch.uint8)
+        self._bases[base.untyped_storage().data_ptr()] = base
+        return base
+
+    def place(self, base: torch.Tensor, offset: int, ref: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """A state of ``dtype`` with ``ref``'s (host-local) shape and dense layout at ``offset`` in ``base``."""
+        loc = hoststate.local(ref)
+        nbytes = loc.numel() * itemsize(dtype)
+        flat = base[offset : offset + nbytes].view(dtype)
+        return hoststate.wrap_like(ref, flat.as_strided(tuple(loc.shape), hoststate.layout_strides(loc)))
+
+    def own_bytes(self, value: Any) -> Any:
+        """``value`` itself, or for a state in an arena the same memory seen through a storage of the
+        state's own bytes, so that torch.save, DCP and async staging copy or write only those bytes and
+        not the whole arena once per state."""
+        if not isinstance(value, torch.Tensor):
+            return value
+        loc = hoststate.local(value)
+        where = self._locate(loc)
+        if where is None or loc.numel() == 0:
+            return value
+        base, offset = where
+        # numpy slicing yields a buffer of exactly these bytes sharing the arena's memory (the array keeps
+        # the arena alive); torch.from_numpy turns it into a storage of that size. No copy is made.
+        raw = torch.from_numpy(base.numpy()[offset : offset + loc.numel() * loc.element_size()])
+        own = raw.view(loc.dtype).as_strided(tuple(loc.shape), tuple(loc.stride()))
+        return hoststate.wrap_like(value, own) if hoststate.is_dtensor(value) else own
+
+    def prune(self, hosts: Sequence[torch.Tensor]) -> None:
+        """Forget the arenas none of ``hosts`` (the host-local states in use) lies in."""
+        live = {t.untyped_storage().data_ptr() for t in hosts}
+        for ptr in [p for p in self._bases if p not in live]:
+            del self._bases[ptr]
+
+    def __len__(self) -> int:
+        return len(self._bases)
+
+    def _locate(self, host: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+        """(arena base, byte offset) of a host view into an arena; None for any other tensor."""
+        ptr = host.untyped_storage().data_ptr()
+        base = self._bases.get(ptr)
+        if base is None:
+            return None
+        return base, host.data_ptr() - ptr
+
+    def adjacent(self, prev: torch.Tensor | None, host: torch.Tensor | None) -> bool:
+        """``host`` starts in the same arena right where ``prev`` ends (both host-local, dense)."""
+        if prev is None or host is None:
+            return False
+        a, b = self._locate(prev), self._locate(host)
+        if a is None or b is None or a[0] is not b[0]:
+            return False
+        return a[1] + prev.numel() * prev.element_size() == b[1]
+
+    def runs(self, regions: Sequence[Any]) -> list[Run]:
+        """Merge consecutive regions (``offset``, ``nbytes``, ``host``) lying in one arena at the same
+        relative positions as in the slot. A run of one region is kept only if it replaces nothing."""
+        out: list[Run] = []
+        cur: list[Any] = []  # [base, host_start, slot_start, slot_end, region indices]
+
+        def close() -> None:
+            if cur and len(cur[4]) > 1:
+                base, hstart, sstart, send, idx = cur
+                out.append(Run(sstart, send - sstart, base[hstart : hstart + send - sstart], tuple(idx)))
+
+        for i, r in enumerate(regions):
+            if r.host is None or r.nbytes == 0:
+                continue
+            where = self._locate(r.host)
+            if where is None:
+                close()
+                cur = []
+                continue
+            base, hoff = where
+            if cur and cur[0] is base and hoff - cur[1] == r.offset - cur[2] and r.offset == cur[3]:
+                cur[3] = r.offset + r.nbytes
+                cur[4].append(i)
+                continue
+            close()
+            cur = [base, hoff, r.offset, r.offset + r.nbytes, [i]]
+        close()
+        return out
