@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 import device
-from swapopt.hoststate import is_swapped_state, local, wrap_like
+from swapopt.hoststate import is_dense, is_swapped_state, local, wrap_like
 
 
 def getstate(opt: Any) -> dict[str, Any]:
@@ -62,7 +62,7 @@ def setstate(opt: Any, state: dict[str, Any]) -> None:
 def pinned_copy(value: torch.Tensor) -> torch.Tensor:
     """A pinned host copy of ``value`` with its dense layout (a DTensor over the host shard for DTensors)."""
     src = local(value)
-    if src.dim() and _is_dense(src):
+    if src.dim() and is_dense(src):
         # Allocate in memory order, then view with src's strides: channels_last stays channels_last.
         order = sorted(range(src.dim()), key=lambda d: (-src.stride(d), d))
         buf = device.pinned_empty(tuple(src.shape[d] for d in order), dtype=src.dtype)
@@ -71,17 +71,6 @@ def pinned_copy(value: torch.Tensor) -> torch.Tensor:
         dst = device.pinned_empty(tuple(src.shape), dtype=src.dtype)
     dst.copy_(src)
     return wrap_like(value, dst)
-
-
-def _is_dense(t: torch.Tensor) -> bool:
-    expected = 1
-    for size, stride in sorted(((s, st) for s, st in zip(t.shape, t.stride()) if s != 1), key=lambda x: x[1]):
-        if size == 0:
-            return True
-        if stride != expected:
-            return False
-        expected *= size
-    return True
 
 
 def _pin_states(inner: torch.optim.Optimizer) -> None:
