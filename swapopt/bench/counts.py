@@ -1,0 +1,141 @@
+"""Structural counters of one optimizer step: aten ops, kernel launches, copies each way, host CPU time.
+
+Step time alone hides why a step is slow; these counts show it. A launch is an aten op that makes the
+device do work: a copy or a compute kernel touching device memory. Views, metadata changes and bare
+allocations are not launches, and neither are ops that only touch host memory. Copies are sorted by
+direction: host to device (H2D), device to host (D2H, including `.item()`-style scalar reads).
+
+Counting runs in a dispatch mode above the device's own (the simulator's mode on CPU CI, none on
+CUDA or NPU), so the same code counts on the simulator and on a real device. The mode costs host
+time, so host CPU time is measured on a separate, uncounted step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from pydantic import BaseModel
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import device
+from device.ops import op_info, tensors
+
+_PLAIN_DISPATCH = torch.Tensor.__torch_dispatch__
+
+
+class StepCounts(BaseModel):
+    """What one call (typically one optimizer step) dispatched."""
+
+    aten_ops: int = 0  # every aten op, views and allocations included
+    launches: int = 0  # copies and compute kernels that touch device memory
+    h2d_copies: int = 0
+    d2h_copies: int = 0
+    h2d_bytes: int = 0
+    d2h_bytes: int = 0
+    # Process CPU seconds spent inside launched ops (below this mode). On the simulator that is the
+    # device's own work, done by the host; subtracting it leaves the host work of the program itself.
+    launch_cpu_s: float = 0.0
+
+
+def _fresh_outputs(func: Any, out: Any) -> list[torch.Tensor]:
+    """Returned tensors that alias no input: what the op created."""
+    returns = func._schema.returns
+    values = out if isinstance(out, (tuple, list)) and len(returns) > 1 else (out,)
+    found: list[torch.Tensor] = []
+    for ret, value in zip(returns, values):
+        if ret.alias_info is None:
+            found.extend(tensors(value))
+    return found
+
+
+def _on_device(t: torch.Tensor) -> bool:
+    # Meta and sparse tensors are never device memory a kernel of this step touches.
+    return t.layout is torch.strided and t.device.type != "meta" and not device.is_host_tensor(t)
+
+
+class LaunchCounter(TorchDispatchMode):
+    """Counts the aten ops dispatched while active (see the module docstring for what counts as what)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts = StepCounts()
+
+    def __enter__(self) -> LaunchCounter:
+        # The simulator must be active below this mode, so the ops it sees are already classified.
+        device.get_torch_device_module()
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for t in types:
+            if t.__torch_dispatch__ is not _PLAIN_DISPATCH:
+                return NotImplemented  # tensor subclasses (DTensor) come back as their local ops
+        start = time.process_time()
+        out = func(*args, **kwargs)
+        spent = time.process_time() - start
+        if func.namespace == "aten" and self._classify(func, args, kwargs, out):
+            self.counts.launch_cpu_s += spent
+        return out
+
+    def _classify(self, func: Any, args: tuple, kwargs: dict, out: Any) -> bool:
+        """Count one op; True when it is a launch."""
+        c = self.counts
+        c.aten_ops += 1
+        op = op_info(func)
+        if op.alloc_only:
+            return False
+        reads: list[torch.Tensor] = []
+        writes: list[torch.Tensor] = []
+        for position, name, role in op.roles:
+            if role == "v":
+                continue
+            value = args[position] if position < len(args) else kwargs.get(name)
+            (reads if role == "r" else writes).extend(tensors(value))
+        writes += _fresh_outputs(func, out)
+        if not reads and not writes:
+            return False  # a view or a metadata change
+        read_dev = [_on_device(t) for t in reads]
+        write_dev = [_on_device(t) for t in writes]
+        if not any(read_dev) and not any(write_dev):
+            return False  # host-only work
+        c.launches += 1
+        if op.local_scalar:
+            c.d2h_copies += 1
+            c.d2h_bytes += sum(t.element_size() for t in reads)
+        elif op.copy:
+            nbytes = sum(t.nbytes for t in writes)
+            if any(not d for d in read_dev) and any(write_dev):
+                c.h2d_copies += 1
+                c.h2d_bytes += nbytes
+            elif any(read_dev) and any(not d for d in write_dev):
+                c.d2h_copies += 1
+                c.d2h_bytes += nbytes
+        return True
+
+
+def count_call(fn: Callable[[], Any]) -> StepCounts:
+    """Run `fn` once under a LaunchCounter and return what it dispatched."""
+    with LaunchCounter() as counter:
+        fn()
+    return counter.counts
+
+
+def host_cpu_seconds(fn: Callable[[], Any]) -> float:
+    """Process CPU time of one call of `fn`: the host work it costs, whatever the device does meanwhile."""
+    start = time.process_time()
+    fn()
+    return time.process_time() - start
+
+
+def pinned_host_bytes(tensors_: list[torch.Tensor]) -> int:
+    """Bytes of host memory behind these tensors, each storage counted once (views of one arena are one)."""
+    seen: dict[int, int] = {}
+    for t in tensors_:
+        if t.dim() == 0 or not device.is_host_tensor(t):
+            continue
+        storage = t.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
