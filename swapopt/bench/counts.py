@@ -35,8 +35,8 @@ class StepCounts(BaseModel):
     d2h_copies: int = 0
     h2d_bytes: int = 0
     d2h_bytes: int = 0
-    # Process CPU seconds spent inside launched ops (below this mode). On the simulator that is the
-    # device's own work, done by the host; subtracting it leaves the host work of the program itself.
+    # CPU seconds of the calling thread spent inside launched ops (below this mode). On the simulator
+    # that is the device's own work, done by the host; subtracting it leaves the program's own host work.
     launch_cpu_s: float = 0.0
 
 
@@ -73,9 +73,9 @@ class LaunchCounter(TorchDispatchMode):
         for t in types:
             if t.__torch_dispatch__ is not _PLAIN_DISPATCH:
                 return NotImplemented  # tensor subclasses (DTensor) come back as their local ops
-        start = time.process_time()
+        start = time.thread_time()
         out = func(*args, **kwargs)
-        spent = time.process_time() - start
+        spent = time.thread_time() - start
         if func.namespace == "aten" and self._classify(func, args, kwargs, out):
             self.counts.launch_cpu_s += spent
         return out
@@ -124,10 +124,12 @@ def count_call(fn: Callable[[], Any]) -> StepCounts:
 
 
 def host_cpu_seconds(fn: Callable[[], Any]) -> float:
-    """Process CPU time of one call of `fn`: the host work it costs, whatever the device does meanwhile."""
-    start = time.process_time()
+    """CPU time of the calling thread over one call of `fn`: the host work it costs, whatever the device
+    does meanwhile. The thread's, not the process's: idle intra-op worker threads spin and would be
+    counted as work."""
+    start = time.thread_time()
     fn()
-    return time.process_time() - start
+    return time.thread_time() - start
 
 
 def pinned_host_bytes(tensors_: list[torch.Tensor]) -> int:

@@ -41,7 +41,7 @@ class LayoutRow(BaseModel):
     launch_target: int | None = None  # (resident launches + 3) x chunks + 8, swapopt rows only
     h2d_copies: int | None = None
     d2h_copies: int | None = None
-    cpu_ms: float | None = None  # process CPU time of one step() call
+    cpu_ms: float | None = None  # CPU time of the calling thread over one step() call
     cpu_ratio: float | None = None  # cpu_ms / the resident row's cpu_ms
     # Host CPU time of the step's own work: cpu_ms, less (on the simulator, where the device's work
     # runs on the host) the CPU time spent inside launched ops.
@@ -183,7 +183,7 @@ def layouts_markdown(results: Sequence[LayoutResult]) -> str:
     out = ["## Layouts: step against the bound, with the counts that explain it", ""]
     out.append(
         "Launches are aten ops that make the device work (copies and compute kernels; views and bare "
-        "allocations excluded); target = (resident launches + 3) x chunks + 8. Host CPU is the process "
+        "allocations excluded); target = (resident launches + 3) x chunks + 8. Host CPU is the calling thread's "
         "CPU time of one `step()` call; own host ms leaves out the CPU time spent inside launched ops when "
         "the device is simulated (its copies and kernels then run on the host); extra host us/param = "
         "(own host ms - resident's) / tensors. Cap = (slots + 1) x chunk."
