@@ -32,6 +32,7 @@ from loguru import logger
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from device.costs import op_flops
 from device.ops import OpInfo, arg_value, byte_range, factory_bytes, new_outputs, op_info, tensors
 from device.presets import PRESETS, SimPreset, get_preset
 from device.sanitizer import HOST, Access, AccessLog, Clock, Clocks, StreamRaceError, race_message, where
@@ -637,7 +638,8 @@ class SimDevice:
             nbytes = sum(a.tensor.element_size() for a in accesses)
         else:
             nbytes = sum(a.tensor.nbytes for a in accesses if a.writes) + sum(t.nbytes for t in new)
-        timed = self._timeline.launch(stream.name, stream.tail_us, lane, nbytes, op.name, self._label())
+        flops = op_flops(func, args, kwargs) if lane == "compute" else None
+        timed = self._timeline.launch(stream.name, stream.tail_us, lane, nbytes, op.name, self._label(), flops)
         stream.tail_us = timed.end_us
         if blocking:
             self._clocks.merge_actor(HOST, stream.actor)

@@ -3,8 +3,16 @@
 The host issues ops; each launch costs `launch_us` of host time. An op starts once it is launched,
 its stream has finished everything before it (including waited events) and its lane is free:
 lanes "h2d", "d2h" and "compute" each serve one op at a time, so copies in opposite directions
-overlap each other and compute. Copies cost bytes / link bandwidth, compute ops bytes touched /
-device memory bandwidth. Ops that touch no device memory run on the host ("host" lane).
+overlap each other and compute. Ops that touch no device memory run on the host ("host" lane).
+
+Costs, as on the hardware:
+- a kernel takes max(bytes touched / HBM bandwidth, FLOPs / peak FLOP rate of its precision); only
+  contractions carry FLOPs (device/costs.py), everything else is bound by its bytes;
+- a copy takes a fixed latency, then moves its bytes at the link rate of its direction. Both directions
+  at once share an aggregate cap (`duplex_gbps`, below h2d + d2h on PCIe parts): a copy that overlaps
+  copies already scheduled the other way gets what the cap leaves it, never more than its own
+  direction's rate. Scheduled ops are never moved (their end times are already visible through streams
+  and events), so the copy launched later absorbs the sharing; the link never carries more than the cap.
 """
 
 from __future__ import annotations
@@ -14,6 +22,7 @@ from collections import deque
 from pathlib import Path
 from typing import NamedTuple
 
+from device.costs import Flops
 from device.presets import SimPreset
 
 LANES = ("h2d", "d2h", "compute")
@@ -27,6 +36,11 @@ class TimelineOp(NamedTuple):
     start_us: float
     end_us: float
     nbytes: int
+    flops: float = 0.0  # arithmetic the op was priced for (0: priced by bytes alone)
+
+
+# The other direction of each copy lane: they share the link's aggregate cap.
+_OPPOSITE = {"h2d": "d2h", "d2h": "h2d"}
 
 
 class Timeline:
@@ -34,6 +48,9 @@ class Timeline:
         self.preset = preset
         self.host_us = 0.0
         self._lane_free = dict.fromkeys(LANES, 0.0)
+        # Per copy lane, the link rate it uses over time: (start_us, end_us, bytes per us) segments in time
+        # order. Kept only as far back as the other lane could still overlap them.
+        self._flow: dict[str, list[tuple[float, float, float]]] = {"h2d": [], "d2h": []}
         # Long training loops keep only the most recent ops; clocks are unaffected.
         self._ops: deque[TimelineOp] = deque(maxlen=max_ops)
 
@@ -41,15 +58,84 @@ class Timeline:
     def ops(self) -> list[TimelineOp]:
         return list(self._ops)
 
-    def lane_cost_us(self, lane: str, nbytes: int) -> float:
-        gbps = {"h2d": self.preset.h2d_gbps, "d2h": self.preset.d2h_gbps, "compute": self.preset.hbm_gbps}[lane]
-        return nbytes / (gbps * 1e3)  # GB/s = 1e3 bytes/us
+    def _rate(self, lane: str) -> float:
+        """Bytes per microsecond of a copy lane alone (GB/s = 1e3 bytes/us)."""
+        return (self.preset.h2d_gbps if lane == "h2d" else self.preset.d2h_gbps) * 1e3
 
-    def launch(self, stream: str, ready_us: float, lane: str, nbytes: int, name: str, label: str | None) -> TimelineOp:
-        """Launch a stream op that may start no earlier than `ready_us` (its stream's tail); return it."""
+    def kernel_cost_us(self, nbytes: int, flops: Flops | None = None) -> float:
+        """A compute op: max(bytes / HBM bandwidth, FLOPs / peak rate of its precision)."""
+        memory = nbytes / (self.preset.hbm_gbps * 1e3)
+        if flops is None or flops.count <= 0:
+            return memory
+        return max(memory, flops.count / (self.preset.peak_tflops(flops.precision) * 1e6))  # TFLOP/s = 1e6 FLOP/us
+
+    def _copy_end_us(self, lane: str, start_us: float, nbytes: int) -> float:
+        """When a copy starting at `start_us` ends: latency, then its bytes at its direction's rate, less what
+        copies already scheduled the other way take of the aggregate cap meanwhile. Records its own flow."""
+        own = self._rate(lane)
+        cap = self.preset.duplex_gbps * 1e3
+        opposite = self._flow[_OPPOSITE[lane]]
+        flow = self._flow[lane]
+        t = start_us + self.preset.copy_latency_us
+        left = float(nbytes)
+        for seg_start, seg_end, other in opposite:
+            if left <= 0:
+                break
+            if seg_end <= t:
+                continue
+            for rate, until in ((own, seg_start), (min(own, cap - other), seg_end)):
+                if until <= t or left <= 0:
+                    continue
+                if rate <= 0:  # the other direction holds the whole cap: wait it out
+                    t = until
+                    continue
+                done = t + left / rate
+                if done <= until:
+                    t, left = self._move(flow, t, done, rate), 0.0
+                else:
+                    left -= (until - t) * rate
+                    t = self._move(flow, t, until, rate)
+        if left > 0:
+            t = self._move(flow, t, t + left / own, own)
+        # Later copies of this lane start after `t`; later ones the other way no earlier than that lane is free
+        # and the host has launched them: segments ending before those can no longer overlap anything.
+        while opposite and opposite[0][1] <= t:
+            opposite.pop(0)
+        horizon = max(self._lane_free[_OPPOSITE[lane]], self.host_us)
+        while flow and flow[0][1] <= horizon:
+            flow.pop(0)
+        return t
+
+    @staticmethod
+    def _move(flow: list[tuple[float, float, float]], start: float, end: float, rate: float) -> float:
+        """Append a segment moving `rate` bytes/us over [start, end); return `end`."""
+        if end > start:
+            if flow and flow[-1][1] == start and flow[-1][2] == rate:
+                flow[-1] = (flow[-1][0], end, rate)
+            else:
+                flow.append((start, end, rate))
+        return end
+
+    def launch(
+        self,
+        stream: str,
+        ready_us: float,
+        lane: str,
+        nbytes: int,
+        name: str,
+        label: str | None,
+        flops: Flops | None = None,
+    ) -> TimelineOp:
+        """Launch a stream op that may start no earlier than `ready_us` (its stream's tail); return it.
+        `flops` prices a compute op by arithmetic as well as by bytes (device.costs.op_flops)."""
         self.host_us += self.preset.launch_us
         start = max(self.host_us, ready_us, self._lane_free[lane])
-        op = TimelineOp(stream, lane, name, label, start, start + self.lane_cost_us(lane, nbytes), nbytes)
+        if lane in _OPPOSITE:
+            end = self._copy_end_us(lane, start, nbytes)
+        else:
+            end = start + self.kernel_cost_us(nbytes, flops)
+        work = flops.count if flops is not None and lane == "compute" else 0.0
+        op = TimelineOp(stream, lane, name, label, start, end, nbytes, work)
         self._lane_free[lane] = op.end_us
         self._ops.append(op)
         return op
@@ -86,7 +172,7 @@ class Timeline:
                     "dur": op.end_us - op.start_us,
                     "pid": 0,
                     "tid": tid,
-                    "args": {k: args[k] for k in ("lane", "name", "label", "nbytes")},
+                    "args": {k: args[k] for k in ("lane", "name", "label", "nbytes", "flops")},
                 }
             )
         meta = [

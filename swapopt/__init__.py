@@ -2,6 +2,8 @@
 
 Public API:
     SwapOptimizer          wrap any per-parameter-state torch.optim optimizer
+    SwapAdamW, SwapAdam    class form, built from params like torch.optim.AdamW / Adam
+    swap_class             class form of any supported torch.optim optimizer class
     SwapConfig             pydantic config; ``SwapConfig(swap_optimizer=True).wrap(opt)``
     SwapOptimizerOperate   the transfer engine (streams, staging slots, per-param events)
     offload / onload       RL phase hooks (free staging memory / resume training)
@@ -10,6 +12,7 @@ Public API:
 
 from loguru import logger
 
+from swapopt.classes import SwapAdam, SwapAdamW, swap_class
 from swapopt.config import SwapConfig
 from swapopt.offload import offload, offloaded, onload, put_optimizer_to_device
 from swapopt.operate import SwapOptimizerOperate
@@ -19,6 +22,8 @@ from swapopt.optimizer import SwapOptimizer
 logger.disable("swapopt")
 
 __all__ = [
+    "SwapAdam",
+    "SwapAdamW",
     "SwapConfig",
     "SwapOptimizer",
     "SwapOptimizerOperate",
@@ -26,5 +31,6 @@ __all__ = [
     "offloaded",
     "onload",
     "put_optimizer_to_device",
+    "swap_class",
 ]
 __version__ = "0.1.0"

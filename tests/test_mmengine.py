@@ -19,7 +19,7 @@ from mmengine.runner import Runner  # noqa: E402
 
 import device  # noqa: E402
 from swapopt import SwapOptimizer  # noqa: E402
-from swapopt.integrations.mmengine import SwapAmpOptimWrapper, SwapOptimWrapper  # noqa: E402
+from swapopt.integrations.mmengine import SwapAmpOptimWrapper, SwapOptimWrapper, swaps  # noqa: E402
 
 SWAP_WRAPPER = dict(type="SwapOptimWrapper", optimizer=dict(type="AdamW", lr=1e-2), swap_optimizer_times=2)
 
@@ -93,6 +93,18 @@ def test_runner_trains_saves_resumes_with_states_on_host(sim, tmp_path, monkeypa
     # mmengine 0.10 calls torch.load without weights_only; torch >= 2.6 then refuses its own checkpoints
     # (open-mmlab/mmengine#1655). These are checkpoints this test just wrote.
     monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    # On an accelerator Runner.resume would load with map_location=get_device(): make that "cuda" here and
+    # record the map_location the checkpoint is really loaded with (loading itself goes to the CPU).
+    import mmengine.runner.runner as runner_module
+
+    locations = []
+    load_checkpoint = Runner.load_checkpoint
+
+    def spy(self, filename, map_location="cpu", *args, **kwargs):
+        locations.append(map_location)
+        return load_checkpoint(self, filename, "cpu", *args, **kwargs)
+
+    monkeypatch.setattr(Runner, "load_checkpoint", spy)
     straight_hook, first_hook, resumed_hook = HostStates(), HostStates(), HostStates()
     straight = make_runner(tmp_path / "straight", "straight", 4, straight_hook)
     straight.train()
@@ -103,11 +115,38 @@ def test_runner_trains_saves_resumes_with_states_on_host(sim, tmp_path, monkeypa
     assert (tmp_path / "split" / "iter_2.pth").is_file()
 
     resumed = make_runner(tmp_path / "split", "resumed", 4, resumed_hook, resume=True)
+    monkeypatch.setattr(runner_module, "get_device", lambda: "cuda")  # after the model was placed
     resumed.train()
     assert resumed.iter == 4
+    assert locations == ["cpu"]  # resume=True, as users set it, kept the swapped states off the device
     assert first_hook.checked and resumed_hook.checked  # states existed and were checked after resume
     for a, b in zip(resumed.model.parameters(), straight.model.parameters()):
         assert torch.equal(a, b)
+
+
+def test_resume_map_location_only_changes_for_swapping_runners(sim, tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    first = make_runner(tmp_path, "first", 2, HostStates())
+    first.train()
+    seen = []
+    ckpt = str(tmp_path / "iter_2.pth")
+    cases = [
+        (SWAP_WRAPPER, {}, "cpu"),  # a config dict, before train() builds it
+        (dict(type="OptimWrapper", optimizer=dict(type="AdamW", lr=1e-2)), {}, "npu"),
+        (dict(gen=SWAP_WRAPPER, constructor="MultiOptimWrapperConstructor"), {}, "cpu"),
+        (SWAP_WRAPPER, {"map_location": "npu:1"}, "npu:1"),  # an explicit choice is honoured
+    ]
+    runners = [make_runner(tmp_path, f"probe{i}", 2, HostStates()) for i in range(len(cases))]
+    # Patched after the runners placed their models: mmengine's get_device now answers "npu".
+    monkeypatch.setattr(Runner, "load_checkpoint",
+                        lambda self, filename, map_location="cpu", **kw: seen.append(map_location) or {})
+    monkeypatch.setattr("mmengine.runner.runner.get_device", lambda: "npu")
+    for runner, (optim_wrapper, explicit, expected) in zip(runners, cases):
+        runner.optim_wrapper = optim_wrapper
+        with pytest.raises((KeyError, TypeError)):  # the fake checkpoint is empty: resume stops after loading
+            runner.resume(ckpt, **explicit)
+        assert seen.pop() == expected
+    assert isinstance(first.optim_wrapper, SwapOptimWrapper) and swaps(first.optim_wrapper)
 
 
 def test_forced_amp_on_npu_keeps_swapping_with_the_swap_constructor(sim, monkeypatch):

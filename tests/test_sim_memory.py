@@ -29,7 +29,7 @@ def test_allocation_free_and_peak_are_exact(sim):
     assert sim.max_memory_allocated() == 1600 and d.dtype == torch.float64
     assert sim.memory_reserved() == sim.memory_allocated()
     free, total = sim.mem_get_info()
-    assert total == 80 * 2**30 and free == total - 1600
+    assert total == sim.preset.capacity_bytes and free == total - 1600
 
 
 def test_pinned_and_pageable_memory_are_not_device_memory(sim):

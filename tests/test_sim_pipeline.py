@@ -69,11 +69,18 @@ def test_pipeline_time_approaches_the_link_bound(sim_no_launch):
     sim = sim_no_launch
     sim.reset_timeline()
     _pipeline(sim)
-    copy_us = 4 * N / (55.0 * 1e3)
+    preset = sim.preset
+    nbytes = 4 * N
+    copy_us = preset.copy_latency_us + nbytes / (preset.h2d_gbps * 1e3)  # one copy alone on the link
     h2d = [op for op in sim.timeline if op.lane == "h2d"]
-    assert len(h2d) == CHUNKS and all(op.end_us - op.start_us == pytest.approx(copy_us) for op in h2d)
+    assert len(h2d) == CHUNKS and all(op.end_us - op.start_us >= copy_us * (1 - 1e-9) for op in h2d)
+    # Pipelined: the D2H of chunk k runs beside the H2D of chunk k+1, so the H2D lane never idles. Both
+    # directions share the link's aggregate cap, so overlapped copies take longer than one alone, and the
+    # whole cannot beat every byte through the cap; serialized it would be 2 * CHUNKS copies.
+    for before, after in zip(h2d, h2d[1:]):
+        assert after.start_us == pytest.approx(before.end_us)
     end = max(op.end_us for op in sim.timeline)
     start = min(op.start_us for op in h2d)
-    # Pipelined: the D2H of chunk k runs beside the H2D of chunk k+1; serialized it would be 2 * CHUNKS copies.
-    assert end - start < (CHUNKS + 1.1) * copy_us
+    assert end - h2d[-1].end_us < 1.2 * copy_us  # then only the last update and swap-out
+    assert 2 * CHUNKS * nbytes / (preset.duplex_gbps * 1e3) <= end - start < 0.8 * 2 * CHUNKS * copy_us
     assert sim.now_us() == pytest.approx(end)  # the host waited for the last D2H

@@ -1,17 +1,31 @@
-"""The deterministic timeline: lanes overlap, streams serialize, waits and blocking calls are honored."""
+"""The deterministic timeline: lanes overlap, streams serialize, waits and blocking calls are honored,
+and work is priced like the hardware: kernels by max(bytes / HBM, FLOPs / peak), copies by latency +
+bytes / link rate under an aggregate cap for both directions at once."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
 
 import device
 from device import sim as simulator
+from device.costs import Flops, op_flops
+from device.presets import SimPreset, figure_names
+from device.timeline import Timeline
 
+H100 = simulator.PRESETS["h100"]
 N = 1 << 20  # floats per copy: 4 MiB
-COPY_US = 4 * N / (55.0 * 1e3)  # bytes / (GB/s) on the h100 preset
+BYTES = 4 * N
+RATE = H100.h2d_gbps * 1e3  # bytes per us, one direction alone
+CAP = H100.duplex_gbps * 1e3  # bytes per us, both directions together
+LAT = H100.copy_latency_us
+COPY_US = LAT + BYTES / RATE  # one copy alone on the h100 preset
+GB = 10**9
 
 
 def _span(sim) -> float:
@@ -35,11 +49,17 @@ def _opposite_copies(sim, h2d_stream, d2h_stream):
     return [op.lane for op in sim.timeline]
 
 
-def test_opposite_copies_on_two_streams_take_one_copy_time(sim_no_launch):
+def test_opposite_copies_on_two_streams_share_the_duplex_cap(sim_no_launch):
     sim = sim_no_launch
     lanes = _opposite_copies(sim, sim.Stream(), sim.Stream())
     assert lanes == ["h2d", "d2h"]
-    assert _span(sim) == pytest.approx(COPY_US)
+    h2d, d2h = sim.timeline
+    # The H2D, scheduled first, runs at its full rate; the D2H gets what the cap leaves while both run.
+    assert h2d.end_us - h2d.start_us == pytest.approx(COPY_US)
+    shared = (COPY_US - LAT) * (CAP - RATE)
+    assert d2h.end_us == pytest.approx(COPY_US + (BYTES - shared) / RATE)
+    # Overlap still pays, but not the full duplex: at least both copies' bytes through the cap.
+    assert LAT + 2 * BYTES / CAP <= _span(sim) < 2 * COPY_US
 
 
 def test_opposite_copies_on_one_stream_take_two(sim_no_launch):
@@ -105,7 +125,7 @@ def test_blocking_calls_advance_host_time(sim_no_launch):
     dev.copy_(host)  # non_blocking=False: the host waits for both copies on the stream
     assert sim.now_us() == pytest.approx(2 * COPY_US)
     dev[0].item()
-    assert sim.now_us() == pytest.approx(2 * COPY_US + 4 / (55.0 * 1e3))
+    assert sim.now_us() == pytest.approx(2 * COPY_US + LAT + 4 / RATE)
 
 
 def test_launches_cost_host_time(sim):
@@ -149,9 +169,6 @@ def test_presets_change_the_model(clean_device_env):
             times[name] = sim.now_us()
             assert sim.mem_get_info()[1] == simulator.PRESETS[name].capacity_bytes
     assert times["910b"] > times["h100"]
-    for preset in simulator.PRESETS.values():
-        for figure in ("h2d_gbps", "d2h_gbps", "hbm_gbps", "capacity_bytes"):
-            assert preset.sources.get(figure), f"{preset.name}.{figure} has no source"
     with pytest.raises(ValueError, match="h100"):
         simulator.activate("a100").__enter__()
 
@@ -176,3 +193,258 @@ def test_chrome_trace_export(sim, tmp_path):
     names = {e["args"]["name"]: e["tid"] for e in trace["traceEvents"] if e["ph"] == "M" and "tid" in e}
     assert names.get("h2d") == tids["h2d"] and names.get("compute") == tids["compute"]
     assert all(e["dur"] >= 0 and "ts" in e for e in events)
+
+
+# ---- pricing: every preset figure has a source ----
+
+
+def test_every_preset_figure_has_a_source_or_says_assumed():
+    figures = figure_names()
+    # Every numeric field of the preset is a figure: nothing escapes the check by being left off the list.
+    numeric = [f.name for f in dataclasses.fields(SimPreset) if f.type in ("float", "int", float, int)]
+    assert set(numeric) == set(figures) and len(figures) >= 13
+    for preset in simulator.PRESETS.values():
+        assert set(preset.sources) == set(figures), f"{preset.name}: sources for unknown or missing figures"
+        for name in figures:
+            source = preset.sources[name].strip()
+            assert len(source) > 10, f"{preset.name}.{name} has no source"
+            assert getattr(preset, name) > 0, f"{preset.name}.{name}"
+        # Calibration: a date goes with the figures measured then, never one without the other.
+        assert (preset.calibrated is None) == (not preset.measured)
+        assert set(preset.measured) <= set(figures)
+    h100 = simulator.PRESETS["h100"]
+    # The usable capacity the driver reports, not the datasheet's 80 GB nor 80 GiB.
+    assert h100.capacity_bytes == 81559 * 2**20 < 80 * 2**30
+    # fp32 matmuls without TF32 run on CUDA cores: the 67 TFLOP/s row, far below the tensor-core ones.
+    assert h100.fp32_tflops == 67.0 and h100.bf16_tflops > 10 * h100.fp32_tflops
+    with pytest.raises(ValueError, match="duplex"):
+        dataclasses.replace(h100, duplex_gbps=h100.h2d_gbps / 2)
+
+
+# ---- pricing: kernels ----
+
+M = 8192
+
+
+def _mm_flops(dtype: torch.dtype) -> Flops:
+    a = torch.empty(M, M, dtype=dtype, device="meta")  # shapes only: nothing allocated
+    return op_flops(torch.ops.aten.mm.default, (a, a), {})
+
+
+@pytest.mark.parametrize(("dtype", "precision"), [(torch.float32, "fp32"), (torch.bfloat16, "bf16")])
+def test_8192_cubed_matmul_takes_at_least_flops_over_peak(dtype, precision):
+    flops = _mm_flops(dtype)
+    assert flops == Flops(2.0 * M**3, precision)
+    timeline = Timeline(H100)
+    nbytes = 3 * M * M * dtype.itemsize
+    op = timeline.launch("s", 0.0, "compute", nbytes, "aten.mm.default", None, flops)
+    floor_us = 2 * M**3 / (H100.peak_tflops(precision) * 1e6)
+    assert op.end_us - op.start_us >= floor_us
+    assert op.end_us - op.start_us == pytest.approx(floor_us)  # arithmetic, not the 0.24 ms of its bytes, bounds it
+    assert floor_us > 5 * nbytes / (H100.hbm_gbps * 1e3)
+    assert op.flops == 2.0 * M**3
+    if dtype is torch.float32:
+        assert floor_us > 16_000  # the datasheet floor of an fp32 matmul this size on an H100: about 16 ms
+
+
+def test_tf32_flag_selects_the_tf32_peak():
+    old = torch.backends.cuda.matmul.fp32_precision
+    try:
+        torch.backends.cuda.matmul.fp32_precision = "tf32"
+        assert _mm_flops(torch.float32).precision == "tf32"
+        torch.backends.cuda.matmul.fp32_precision = "ieee"
+        assert _mm_flops(torch.float32).precision == "fp32"
+    finally:
+        torch.backends.cuda.matmul.fp32_precision = old
+    assert _mm_flops(torch.float32).precision == "fp32"  # torch's default: no TF32 for matmuls
+
+
+def _flop_counter(fn) -> int:
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return counter.get_total_flops()
+
+
+def _flops_seen(fn) -> float:
+    """FLOPs op_flops assigns to every aten op `fn` dispatches."""
+    total = []
+
+    class Count(torch.utils._python_dispatch.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            found = op_flops(func, args, kwargs or {})
+            total.append(found.count if found else 0.0)
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return sum(total)
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "linear3d", "matmul_broadcast", "baddbmm", "conv2d", "conv2d_strided", "conv_transpose1d",
+        "conv2d_groups_forward", "sdpa_math",
+    ],
+)  # fmt: skip
+def test_flop_counts_agree_with_torchs_counter(case):
+    """Forward and backward, counted from shapes, against torch.utils.flop_counter's own count. (Its count
+    of a grouped convolution's weight gradient ignores the groups, so grouped ones are compared forward only.)"""
+    g = torch.Generator().manual_seed(0)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g, requires_grad=True)
+
+    def run():
+        if case == "linear3d":
+            out = F.linear(r(3, 5, 16), r(8, 16), r(8))
+        elif case == "matmul_broadcast":
+            out = torch.matmul(r(2, 1, 4, 6), r(3, 6, 5))
+        elif case == "baddbmm":
+            out = torch.baddbmm(r(2, 4, 5), r(2, 4, 6), r(2, 6, 5))
+        elif case == "addmv":
+            out = torch.addmv(r(4), r(4, 6), r(6))
+        elif case == "conv2d":
+            out = F.conv2d(r(2, 3, 9, 9), r(4, 3, 3, 3), r(4), padding=1)
+        elif case == "conv2d_strided":
+            out = F.conv2d(r(1, 4, 11, 11), r(6, 4, 3, 2), stride=(2, 3), padding=(1, 0), dilation=(2, 1))
+        elif case == "conv2d_groups_forward":
+            with torch.no_grad():
+                F.conv2d(r(1, 4, 11, 11), r(6, 2, 3, 2), stride=(2, 3), padding=(1, 0), dilation=(2, 1), groups=2)
+            return
+        elif case == "sdpa_math":  # unequal head dims: the CPU flash kernel declines, the math path's bmms run
+            out = F.scaled_dot_product_attention(r(2, 3, 24, 16), r(2, 3, 40, 16), r(2, 3, 40, 8))
+        else:
+            out = F.conv_transpose1d(r(2, 4, 7), r(4, 3, 3), stride=2)
+        out.sum().backward()
+
+    ours = _flops_seen(run)
+    assert ours > 0
+    assert ours == _flop_counter(run)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_flops_forward_and_backward(causal):
+    b, h, lq, lk, e, ev = 2, 3, 24, 40, 16, 16  # equal head dims: the CPU flash kernel takes it
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(b, h, lq, e, generator=g, requires_grad=True)
+    k = torch.randn(b, h, lk, e, generator=g, requires_grad=True)
+    v = torch.randn(b, h, lk, ev, generator=g, requires_grad=True)
+    seen = {}
+
+    class Record(torch.utils._python_dispatch.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            found = op_flops(func, args, kwargs or {})
+            if found is not None:
+                seen[func.overloadpacket.__name__] = found
+            return func(*args, **(kwargs or {}))
+
+    with Record():
+        F.scaled_dot_product_attention(q, k, v, is_causal=causal).sum().backward()
+    # On CPU, SDPA reaches aten as the CPU flash kernel and its backward.
+    fwd = seen["_scaled_dot_product_flash_attention_for_cpu"]
+    bwd = seen["_scaled_dot_product_flash_attention_for_cpu_backward"]
+    # A causal mask (top-left aligned) keeps key j <= i for query i: count the kept pairs outright.
+    pairs = b * h * sum(min(i + 1, lk) for i in range(lq)) if causal else b * h * lq * lk
+    assert fwd == Flops(2.0 * pairs * (e + ev), "fp32")
+    assert bwd == Flops(2.0 * pairs * (3 * e + 2 * ev), "fp32")
+    assert set(seen) == {
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_flash_attention_for_cpu_backward",
+    }
+
+
+def test_matmul_on_the_simulator_is_priced_by_flops(sim_no_launch):
+    sim = sim_no_launch
+    a = torch.randn(256, 256)
+    b = torch.randn(256, 256)
+    sim.reset_timeline()
+    a @ b
+    (op,) = [op for op in sim.timeline if op.name == "aten.mm.default"]
+    flops = 2.0 * 256**3
+    assert op.flops == flops
+    assert op.end_us - op.start_us == pytest.approx(max(op.nbytes / (H100.hbm_gbps * 1e3), flops / (67.0 * 1e6)))
+    assert op.end_us - op.start_us > op.nbytes / (H100.hbm_gbps * 1e3)  # the arithmetic term decides here
+    a.add_(b)  # element-wise: bytes alone
+    add = sim.timeline[-1]
+    assert add.flops == 0.0 and add.end_us - add.start_us == pytest.approx(add.nbytes / (H100.hbm_gbps * 1e3))
+
+
+# ---- pricing: copies ----
+
+
+def test_one_gb_each_way_at_once_takes_two_gb_over_the_cap():
+    for preset in simulator.PRESETS.values():
+        timeline = Timeline(dataclasses.replace(preset, launch_us=0.0))
+        up = timeline.launch("up", 0.0, "h2d", GB, "h2d", None)
+        down = timeline.launch("down", 0.0, "d2h", GB, "d2h", None)
+        both = max(up.end_us, down.end_us) - min(up.start_us, down.start_us)
+        assert both >= 2 * GB / (preset.duplex_gbps * 1e3), preset.name
+        # Each alone would take its own bytes / rate: the cap is what makes both at once slower than that.
+        assert both > preset.copy_latency_us + GB / (min(preset.h2d_gbps, preset.d2h_gbps) * 1e3)
+
+
+class _RecordingTimeline(Timeline):
+    """Keeps every flow segment the model schedules, which the timeline itself prunes."""
+
+    def __init__(self, preset: SimPreset) -> None:
+        super().__init__(preset)
+        self.segments: dict[str, list[tuple[float, float, float]]] = {"h2d": [], "d2h": []}
+
+    def _move(self, flow: list, start: float, end: float, rate: float) -> float:
+        lane = "h2d" if flow is self._flow["h2d"] else "d2h"
+        if end > start:
+            self.segments[lane].append((start, end, rate))
+        return Timeline._move(flow, start, end, rate)
+
+
+def test_the_link_never_carries_more_than_the_cap():
+    """A deterministic mix of copies both ways, launched out of step: at every instant both directions
+    together stay under the cap and each under its own rate, every copy moves exactly its bytes after its
+    latency, and the same launches always give the same times."""
+
+    def run() -> tuple[list, dict]:
+        timeline = _RecordingTimeline(dataclasses.replace(H100, launch_us=0.0))
+        ops = []
+        for i in range(40):
+            lane = "h2d" if i % 3 else "d2h"
+            nbytes = (1 + (7 * i) % 5) * (1 << 20)
+            ops.append(timeline.launch(lane, 30.0 * i, lane, nbytes, "copy", None))
+        return ops, timeline.segments
+
+    ops, segments = run()
+    assert ops == run()[0]
+    for op in ops:
+        mine = [seg for seg in segments[op.lane] if op.start_us <= seg[0] and seg[1] <= op.end_us + 1e-9]
+        assert sum((end - start) * rate for start, end, rate in mine) == pytest.approx(op.nbytes)
+        assert min(start for start, _, _ in mine) >= op.start_us + LAT - 1e-9
+    cuts = sorted({t for lane in segments.values() for seg in lane for t in seg[:2]})
+    overlapped = 0
+    for lo, hi in zip(cuts, cuts[1:]):
+        mid = (lo + hi) / 2
+        rates = {lane: sum(r for a, b, r in segs if a <= mid < b) for lane, segs in segments.items()}
+        assert rates["h2d"] <= RATE + 1e-6 and rates["d2h"] <= H100.d2h_gbps * 1e3 + 1e-6
+        assert rates["h2d"] + rates["d2h"] <= CAP + 1e-6
+        overlapped += rates["h2d"] > 0 and rates["d2h"] > 0
+    assert overlapped > 5  # the mix did make the directions share the link
+
+
+def test_latency_is_charged_per_copy(sim_no_launch):
+    sim = sim_no_launch
+    pieces, numel = 8, 1024
+    host = device.pinned_empty(pieces * numel)
+    dev = torch.empty(pieces * numel)
+    sim.synchronize()
+    sim.reset_timeline()
+    start = sim.now_us()
+    for i in range(pieces):
+        dev[i * numel : (i + 1) * numel].copy_(host[i * numel : (i + 1) * numel], non_blocking=True)
+    sim.synchronize()
+    many = sim.now_us() - start
+    assert many == pytest.approx(pieces * (LAT + 4 * numel / RATE))
+    start = sim.now_us()
+    dev.copy_(host, non_blocking=True)
+    sim.synchronize()
+    one = sim.now_us() - start
+    assert one == pytest.approx(LAT + 4 * pieces * numel / RATE)
+    assert many - one == pytest.approx((pieces - 1) * LAT)

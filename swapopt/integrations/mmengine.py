@@ -14,10 +14,14 @@
 
 Checkpoints: ``Runner.save_checkpoint`` stores ``optim_wrapper.state_dict()``, whose states are the host
 tensors themselves (nothing is allocated on the device). ``Runner.resume`` loads the whole checkpoint with
-``map_location=get_device()``, i.e. onto the accelerator, before ``load_state_dict`` copies the states into
-the optimizer's pinned host tensors; states end on the host, but device memory briefly holds all of them.
-To keep resume off the device, call ``runner.resume(path, map_location="cpu")`` before ``runner.train()``
-instead of setting ``resume=True``. With torch >= 2.6, mmengine <= 0.10.7 cannot resume at all: it calls
+``map_location=get_device()``, i.e. every optimizer state onto the accelerator at once, before
+``load_state_dict`` copies them into the optimizer's pinned host tensors. Importing this module therefore wraps
+``Runner.resume`` once: when the runner's optim wrapper swaps (a ``SwapOptimWrapper``/``SwapAmpOptimWrapper``,
+built or still a config dict) and ``map_location`` is left at ``'default'``, the checkpoint is loaded with
+``map_location='cpu'``; the model weights are then copied into the (device) params as usual. So
+``resume=True``, ``load_from`` + ``resume`` and ``runner.resume(path)`` keep the states off the device without
+further settings; an explicit ``map_location`` is always honoured, and runners without swapping are untouched.
+With torch >= 2.6, mmengine <= 0.10.7 cannot resume at all: it calls
 ``torch.load`` without ``weights_only`` and torch now refuses the HistoryBuffer objects in mmengine's own
 checkpoints (open-mmlab/mmengine#1655); for checkpoints you wrote yourself set
 ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1``.
@@ -25,16 +29,19 @@ checkpoints (open-mmlab/mmengine#1655); for checkpoints you wrote yourself set
 
 from __future__ import annotations
 
-from typing import Optional
+import functools
+import inspect
+from typing import Any, Optional
 
 import torch
 from loguru import logger
 
-from swapopt import SwapConfig
+from swapopt import SwapConfig, SwapOptimizer
 
 try:
-    from mmengine.optim import AmpOptimWrapper, DefaultOptimWrapperConstructor, OptimWrapper
+    from mmengine.optim import AmpOptimWrapper, DefaultOptimWrapperConstructor, OptimWrapper, OptimWrapperDict
     from mmengine.registry import OPTIM_WRAPPER_CONSTRUCTORS, OPTIM_WRAPPERS
+    from mmengine.runner import Runner
 except ImportError as err:  # pragma: no cover - exercised by a test that hides mmengine
     raise ImportError(
         "swapopt.integrations.mmengine needs mmengine: pip install 'swapopt[mmengine]' "
@@ -79,3 +86,43 @@ class SwapOptimWrapperConstructor(DefaultOptimWrapperConstructor):
                            "using SwapAmpOptimWrapper so optimizer states stay swapped")
             self.optim_wrapper_cfg = {**self.optim_wrapper_cfg, "type": "SwapAmpOptimWrapper"}
         return super().__call__(model)
+
+
+_SWAP_WRAPPERS = ("SwapOptimWrapper", "SwapAmpOptimWrapper", SwapOptimWrapper, SwapAmpOptimWrapper)
+
+
+def swaps(optim_wrapper: Any) -> bool:
+    """Whether a runner's ``optim_wrapper`` (built, an OptimWrapperDict, or still a config dict) swaps states."""
+    if isinstance(optim_wrapper, OptimWrapperDict):
+        return any(swaps(w) for w in optim_wrapper.values())
+    if isinstance(optim_wrapper, OptimWrapper):
+        return isinstance(optim_wrapper.optimizer, SwapOptimizer)
+    if isinstance(optim_wrapper, dict):
+        if "type" in optim_wrapper or "optimizer" in optim_wrapper:
+            return optim_wrapper.get("type") in _SWAP_WRAPPERS
+        # Several optimizers: a dict of wrapper configs, keyed by module name (the constructor's own keys aside).
+        return any(swaps(v) for k, v in optim_wrapper.items() if isinstance(v, dict) and k != "paramwise_cfg")
+    return False
+
+
+def _host_resume(resume: Any) -> Any:
+    signature = inspect.signature(resume)
+
+    @functools.wraps(resume)
+    def wrapper(self: Runner, *args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        if bound.arguments.get("map_location") == "default" and swaps(getattr(self, "optim_wrapper", None)):
+            # The swapped states belong in host memory; loading them onto the accelerator first would hold
+            # the whole optimizer state there at once.
+            logger.info("resuming a swapping optim wrapper: loading the checkpoint with map_location='cpu'")
+            bound.arguments["map_location"] = "cpu"
+        return resume(*bound.args, **bound.kwargs)
+
+    wrapper._swapopt_host_resume = True  # type: ignore[attr-defined]
+    return wrapper
+
+
+# Wrapped once per process, however often this module is reloaded.
+if not getattr(Runner.resume, "_swapopt_host_resume", False):
+    Runner.resume = _host_resume(Runner.resume)

@@ -1,0 +1,95 @@
+"""Hugging Face Trainer: ``optimizer_cls_and_kwargs=(SwapAdamW, {...})`` trains a tiny local Llama, saves with
+save_steps, resumes with resume_from_checkpoint, and ends bitwise where plain AdamW ends."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may touch the hub; read at import time
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
+
+import device  # noqa: E402
+from swapopt import SwapAdamW, SwapOptimizer  # noqa: E402
+
+OPTIM_KW = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __init__(self) -> None:
+        gen = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(0, 64, (16, 12), generator=gen)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+class HostStates(TrainerCallback):
+    """After every optimizer step: the optimizer is a SwapOptimizer and each swapped state is a host tensor."""
+
+    def __init__(self) -> None:
+        self.checked = 0
+
+    def on_step_end(self, args, state, control, optimizer=None, **kwargs):
+        opt = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps ours
+        assert isinstance(opt, SwapOptimizer)
+        opt.wait_for_swap_out()
+        for st in opt.state.values():
+            for key, value in st.items():
+                if key != "step":
+                    assert device.is_host_tensor(value), key
+                    self.checked += 1
+
+
+def tiny_llama() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)
+    return LlamaForCausalLM(cfg)
+
+
+def trainer(out, optimizer_cls, callbacks=()) -> Trainer:
+    args = TrainingArguments(
+        output_dir=str(out), max_steps=4, save_steps=2, per_device_train_batch_size=4, seed=0,
+        report_to=[], logging_strategy="no", use_cpu=True, dataloader_num_workers=0, disable_tqdm=True,
+    )
+    return Trainer(model=tiny_llama(), args=args, train_dataset=Tokens(), callbacks=list(callbacks),
+                   optimizer_cls_and_kwargs=(optimizer_cls, dict(OPTIM_KW, **(
+                       {"swap_optimizer_times": 3} if optimizer_cls is SwapAdamW else {}))))
+
+
+def test_trainer_with_swap_adamw_saves_resumes_and_matches_adamw(sim, tmp_path):
+    plain = trainer(tmp_path / "plain", torch.optim.AdamW)
+    plain.train()
+
+    straight_hook = HostStates()
+    straight = trainer(tmp_path / "swap", SwapAdamW, [straight_hook])
+    straight.train()
+    assert (tmp_path / "swap" / "checkpoint-2" / "optimizer.pt").is_file()
+
+    resumed_hook = HostStates()
+    resumed = trainer(tmp_path / "resumed", SwapAdamW, [resumed_hook])
+    resumed.train(resume_from_checkpoint=str(tmp_path / "swap" / "checkpoint-2"))
+    assert resumed.state.global_step == 4
+    assert straight_hook.checked and resumed_hook.checked
+    assert resumed.optimizer.optimizer.swap_stats().h2d_bytes > 0  # swapping really happened
+
+    ref = dict(plain.model.named_parameters())
+    for run in (straight, resumed):
+        for name, p in run.model.named_parameters():
+            assert torch.equal(p, ref[name]), name
+    # The optimizer states match too, key for key.
+    swap_state = resumed.optimizer.state_dict()["state"]
+    plain_state = plain.optimizer.state_dict()["state"]
+    assert swap_state.keys() == plain_state.keys()
+    for i in plain_state:
+        for key, value in plain_state[i].items():
+            assert torch.equal(swap_state[i][key], value), (i, key)

@@ -1,0 +1,126 @@
+"""Lightning: SwapAdamW from configure_optimizers, checkpoint, resume with SwapSingleDeviceStrategy: states are
+never handed to _optimizer_to_device, stay on the host, and training ends bitwise where plain AdamW ends."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("lightning")
+
+import lightning as L  # noqa: E402
+import lightning.pytorch.strategies.strategy as strategy_module  # noqa: E402
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
+from lightning.pytorch.strategies import SingleDeviceStrategy  # noqa: E402
+
+import device  # noqa: E402
+from swapopt import SwapAdamW, SwapOptimizer  # noqa: E402
+from swapopt.integrations.lightning import SwapSingleDeviceStrategy, keep_states_on_host  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning", "ignore::FutureWarning")
+
+
+class Regressor(L.LightningModule):
+    def __init__(self, swap: bool) -> None:
+        super().__init__()
+        self.swap = swap
+        gen = torch.Generator().manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+        with torch.no_grad():
+            for p in self.net.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        if self.swap:
+            return SwapAdamW(self.parameters(), lr=1e-2, weight_decay=0.1, swap_optimizer_times=2)
+        return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
+
+    def train_dataloader(self):
+        gen = torch.Generator().manual_seed(1)
+        x = torch.randn(16, 8, generator=gen)
+        data = torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True))
+        return torch.utils.data.DataLoader(data, batch_size=8, shuffle=False)  # 2 steps per epoch
+
+
+class HostStates(Callback):
+    def __init__(self) -> None:
+        self.checked = 0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._check(trainer)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self._check(trainer)
+
+    def _check(self, trainer) -> None:
+        opt = trainer.strategy.optimizers[0]
+        assert isinstance(opt, SwapOptimizer)
+        opt.wait_for_swap_out()
+        for st in opt.state.values():
+            for key, value in st.items():
+                if key != "step":
+                    assert device.is_host_tensor(value), key
+                    self.checked += 1
+
+
+def fit(root, module, strategy, epochs: int, ckpt_path=None, callbacks=()):
+    trainer = L.Trainer(
+        default_root_dir=str(root), max_epochs=epochs, accelerator="cpu", strategy=strategy, logger=False,
+        enable_progress_bar=False, enable_model_summary=False, deterministic=True,
+        callbacks=[ModelCheckpoint(dirpath=str(root), save_top_k=-1, every_n_epochs=1), *callbacks],
+    )
+    trainer.fit(module, ckpt_path=ckpt_path)
+    return trainer
+
+
+def test_resume_keeps_states_on_host_and_matches_adamw(sim, tmp_path, monkeypatch):
+    moved = []
+    real = strategy_module._optimizer_to_device
+    monkeypatch.setattr(strategy_module, "_optimizer_to_device", lambda opt, dev: (moved.append(opt), real(opt, dev)))
+
+    plain = Regressor(swap=False)
+    fit(tmp_path / "plain", plain, SingleDeviceStrategy(device="cpu"), 2)
+
+    first = Regressor(swap=True)
+    fit(tmp_path / "swap", first, SwapSingleDeviceStrategy(device="cpu"), 1)
+    ckpt = tmp_path / "swap" / "epoch=0-step=2.ckpt"
+    assert ckpt.is_file()
+
+    # Stock strategy: Lightning hands the swapped states to _optimizer_to_device on resume (the bug).
+    moved.clear()
+    fit(tmp_path / "stock", Regressor(swap=True), SingleDeviceStrategy(device="cpu"), 2, ckpt_path=ckpt)
+    assert any(isinstance(o, SwapOptimizer) for o in moved)
+
+    moved.clear()
+    hook = HostStates()
+    resumed = Regressor(swap=True)
+    trainer = fit(tmp_path / "resumed", resumed, SwapSingleDeviceStrategy(device="cpu"), 2, ckpt_path=ckpt,
+                  callbacks=[hook])
+    assert not any(isinstance(o, SwapOptimizer) for o in moved)
+    assert hook.checked and trainer.global_step == 4
+    assert trainer.strategy.optimizers[0].swap_stats().h2d_bytes > 0
+    for a, b in zip(resumed.parameters(), plain.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_keep_states_on_host_rehomes_device_states(sim):
+    params = [torch.nn.Parameter(torch.randn(5)) for _ in range(2)]
+    opt = SwapAdamW(params, lr=1e-2, swap_optimizer_times=2)
+    for p in params:
+        p.grad = torch.ones(5)
+    opt.step()
+    opt.wait_for_swap_out()
+    on_device = torch.empty(5)  # created while the simulator is active: device memory
+    on_device.copy_(opt.state[params[0]]["exp_avg"])
+    opt.state[params[0]]["exp_avg"] = on_device
+    assert not device.is_host_tensor(on_device)
+    assert keep_states_on_host([opt, torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)]) == 1
+    home = opt.state[params[0]]["exp_avg"]
+    assert device.is_host_tensor(home) and torch.equal(home, on_device)
+    opt.step()  # the re-homed tensor is what the next step streams
+    assert keep_states_on_host([opt]) == 0
