@@ -127,6 +127,9 @@ def test_counter_counts_copies_and_kernels_like_the_timeline(sim):
     lanes = [op.lane for op in sim.timeline]
     assert counts.launches == sum(lane != "host" for lane in lanes)
     assert counts.h2d_copies == lanes.count("h2d") and counts.d2h_copies == lanes.count("d2h")
+    # CPU time splits into the ops' own, the counter's and the rest; the device's share is left out on the simulator.
+    assert counts.cpu_s >= counts.launch_cpu_s + counts.counting_cpu_s > 0
+    assert 0 <= counts.own_host_s(device_work_on_host=True) <= counts.own_host_s(device_work_on_host=False)
     # Nested counting: an inner counter sees only its own block.
     with LaunchCounter() as outer:
         dev.add_(1.0)

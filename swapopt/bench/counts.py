@@ -12,6 +12,7 @@ time, so host CPU time is measured on a separate, uncounted step.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -35,9 +36,19 @@ class StepCounts(BaseModel):
     d2h_copies: int = 0
     h2d_bytes: int = 0
     d2h_bytes: int = 0
-    # CPU seconds of the calling thread spent inside launched ops (below this mode). On the simulator
-    # that is the device's own work, done by the host; subtracting it leaves the program's own host work.
+    # CPU seconds of the calling thread: over the whole call, inside launched ops (below this mode: on
+    # the simulator that is the device's own work, done by the host) and in this mode's bookkeeping.
+    cpu_s: float = 0.0
     launch_cpu_s: float = 0.0
+    counting_cpu_s: float = 0.0
+
+    def own_host_s(self, device_work_on_host: bool) -> float:
+        """The call's own host work: its CPU time less this counter's cost and, when the device's work
+        runs on the host (the simulator), less the time inside launched ops."""
+        own = self.cpu_s - self.counting_cpu_s - self.aten_ops * _mode_entry_seconds()
+        if device_work_on_host:
+            own -= self.launch_cpu_s
+        return max(own, 0.0)
 
 
 def _fresh_outputs(func: Any, out: Any) -> list[torch.Tensor]:
@@ -66,7 +77,12 @@ class LaunchCounter(TorchDispatchMode):
     def __enter__(self) -> LaunchCounter:
         # The simulator must be active below this mode, so the ops it sees are already classified.
         device.get_torch_device_module()
+        self._start = time.thread_time()
         return super().__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        super().__exit__(*exc)
+        self.counts.cpu_s += time.thread_time() - self._start
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -75,9 +91,10 @@ class LaunchCounter(TorchDispatchMode):
                 return NotImplemented  # tensor subclasses (DTensor) come back as their local ops
         start = time.thread_time()
         out = func(*args, **kwargs)
-        spent = time.thread_time() - start
+        done = time.thread_time()
         if func.namespace == "aten" and self._classify(func, args, kwargs, out):
-            self.counts.launch_cpu_s += spent
+            self.counts.launch_cpu_s += done - start
+        self.counts.counting_cpu_s += time.thread_time() - done
         return out
 
     def _classify(self, func: Any, args: tuple, kwargs: dict, out: Any) -> bool:
@@ -114,6 +131,24 @@ class LaunchCounter(TorchDispatchMode):
                 c.d2h_copies += 1
                 c.d2h_bytes += nbytes
         return True
+
+
+@functools.cache
+def _mode_entry_seconds() -> float:
+    """CPU time a counted op costs beyond what the counter measures itself: entering the mode and
+    reading the clock. Calibrated once on view ops, which do no work of their own."""
+    x = torch.empty(64, device="meta")
+    n = 2000
+
+    def views() -> None:
+        for _ in range(n):
+            x.view(-1)
+
+    plain = host_cpu_seconds(views)
+    with LaunchCounter() as counter:
+        views()
+    extra = counter.counts.cpu_s - counter.counts.counting_cpu_s - plain
+    return max(extra / n, 0.0)
 
 
 def count_call(fn: Callable[[], Any]) -> StepCounts:

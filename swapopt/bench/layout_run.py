@@ -43,8 +43,8 @@ class LayoutRow(BaseModel):
     d2h_copies: int | None = None
     cpu_ms: float | None = None  # CPU time of the calling thread over one step() call
     cpu_ratio: float | None = None  # cpu_ms / the resident row's cpu_ms
-    # Host CPU time of the step's own work: cpu_ms, less (on the simulator, where the device's work
-    # runs on the host) the CPU time spent inside launched ops.
+    # Host CPU time of the step's own work, from the counted step: less the counter's cost and (on the
+    # simulator, where the device's work runs on the host) the CPU time inside launched ops.
     host_ms: float | None = None
     extra_host_us_per_param: float | None = None  # (host_ms - the resident row's) per tensor, in us
     peak_extra_bytes: int | None = None
@@ -99,8 +99,7 @@ def _measure(
         counts = count_call(strategy.step)
         strategy.drain()
         row.aten_ops, row.launches = counts.aten_ops, counts.launches
-        device_work_ms = counts.launch_cpu_s * 1e3 if device.get_device() == "sim" else 0.0
-        row.host_ms = max(row.cpu_ms - device_work_ms, 0.0)
+        row.host_ms = counts.own_host_s(device_work_on_host=device.get_device() == "sim") * 1e3
         row.h2d_copies, row.d2h_copies = counts.h2d_copies, counts.d2h_copies
         pinned_after = _pinned_now()
         if pinned_before is not None and pinned_after is not None:
@@ -184,8 +183,9 @@ def layouts_markdown(results: Sequence[LayoutResult]) -> str:
     out.append(
         "Launches are aten ops that make the device work (copies and compute kernels; views and bare "
         "allocations excluded); target = (resident launches + 3) x chunks + 8. Host CPU is the calling thread's "
-        "CPU time of one `step()` call; own host ms leaves out the CPU time spent inside launched ops when "
-        "the device is simulated (its copies and kernels then run on the host); extra host us/param = "
+        "CPU time of one `step()` call; own host ms is that of the counted step less the counter's cost and, "
+        "on the simulator (whose copies and kernels run on the host), less the time inside launched ops; "
+        "it still includes the simulator's own per-op accounting. Extra host us/param = "
         "(own host ms - resident's) / tensors. Cap = (slots + 1) x chunk."
     )
     out.append("")
