@@ -8,6 +8,7 @@ against state bytes.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 
 import torch
@@ -22,6 +23,9 @@ from swapopt.bench.run import MAX_PROBE_BYTES
 from swapopt.bench.strategies import AdamWSpec, Impl, make_strategy
 
 DEFAULT_TIMES = (16, 64)
+# On the simulator every tensor is real host memory, shared with whatever else runs there: 64 M params
+# (1 GiB of params, grads and states) keeps a layout run within a few minutes and a few GiB.
+SIM_MAX_NUMEL = 64_000_000
 DEFAULT_SLOTS = 3
 # The launch budget of a swapped step when copies move whole chunks: per chunk, the resident step's
 # launches plus an H2D, a D2H and one more; per step, a few fixed ones.
@@ -65,6 +69,17 @@ class LayoutResult(BaseModel):
     resident_ms: float | None
     bound_ms: float
     rows: list[LayoutRow]
+
+
+def default_max_numel() -> int:
+    """The largest layout (in params) to run here, larger ones being scaled: SIM_MAX_NUMEL on the
+    simulator; on a device, what fits the resident row (params, grads and two fp32 states: 16 B/param)
+    in 85% of free device memory and the pinned states (8 B/param) in half the host's memory."""
+    if device.get_device() == "sim":
+        return SIM_MAX_NUMEL
+    free, _ = device.get_torch_device_module().mem_get_info()
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return int(min(0.85 * free / 16, 0.5 * host / 8))
 
 
 def _pinned_now() -> int | None:
@@ -136,7 +151,7 @@ def run_layout(
     """Resident AdamW, then swapopt at each of `times` chunk counts, over one layout's params (scaled
     to at most `max_numel` params when given)."""
     shape = get_layout(layout) if isinstance(layout, str) else layout
-    if max_numel is not None:
+    if max_numel is not None and shape.numel > max_numel:
         shape = scale_to_fit(shape, max_numel)
     spec = AdamWSpec(impl=impl)
     state_bytes = 2 * 4 * shape.numel
