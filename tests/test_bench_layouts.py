@@ -10,7 +10,7 @@ import torch
 
 import device
 from swapopt.bench.counts import LaunchCounter, count_call, pinned_host_bytes
-from swapopt.bench.layout_run import layouts_markdown, run_layout
+from swapopt.bench.layout_run import layout_targets, layouts_markdown, run_layout
 from swapopt.bench.layouts import (
     Layout,
     fsdp256,
@@ -168,6 +168,9 @@ def test_layout_run_rows_have_every_field(sim):
         assert r.extra_host_us_per_param is not None
     md = layouts_markdown([res])
     assert "### small: 12 tensors" in md and md.count("| swapopt t=") == 2
+    targets = layout_targets(res)
+    assert len(targets) == 2 and all("launches" in t and "pinned" in t and "peak" in t for t in targets)
+    assert all(t in md for t in targets)
 
 
 def test_make_layout_params_builds_the_layout(sim):

@@ -184,6 +184,38 @@ def run_layout(
     )
 
 
+# Step / bound targets per chunk count: the launch-bound tiny layout gets a looser one.
+RATIO_TARGETS = {16: 1.10, 64: 1.03}
+TINY_RATIO_TARGET = 2.0
+HOST_US_PER_PARAM_TARGET = 5.0
+
+
+def layout_targets(res: LayoutResult) -> list[str]:
+    """Each swapopt row checked against the targets (reported, never asserted: timings are not tests)."""
+    lines = []
+    for r in res.rows:
+        if r.kind != "swapopt" or r.step_ms is None:
+            continue
+        ratio_target = TINY_RATIO_TARGET if res.layout == "tiny10k" else RATIO_TARGETS.get(r.times or 0)
+        checks = []
+        if ratio_target is not None and r.ratio is not None:
+            checks.append(("step / bound", f"{r.ratio:.2f} <= {ratio_target}", r.ratio <= ratio_target))
+        if r.launch_target is not None:
+            checks.append(("launches", f"{r.launches:,} <= {r.launch_target:,}", r.launches <= r.launch_target))
+        if r.extra_host_us_per_param is not None:
+            us = r.extra_host_us_per_param
+            checks.append(("host", f"{us:.1f} <= {HOST_US_PER_PARAM_TARGET} us/param", us <= HOST_US_PER_PARAM_TARGET))
+        if r.cap_bytes is not None:
+            checks.append(("peak", f"{_mib(r.peak_extra_bytes)} <= {_mib(r.cap_bytes)} MiB",
+                           r.peak_extra_bytes <= r.cap_bytes))
+        if r.pinned_bytes is not None:
+            checks.append(("pinned", f"{_mib(r.pinned_bytes)} == {_mib(res.state_bytes)} MiB",
+                           r.pinned_bytes == res.state_bytes))
+        body = "; ".join(f"{name} {text} {'met' if ok else 'MISSED'}" for name, text, ok in checks)
+        lines.append(f"- {r.label}: {body}")
+    return lines
+
+
 def _mib(n: int | None) -> str:
     return "-" if n is None else f"{n / 2**20:,.1f}"
 
@@ -233,4 +265,7 @@ def layouts_markdown(results: Sequence[LayoutResult]) -> str:
                 f"{_mib(r.pinned_bytes)} | {state} |"
             )
         out.append("")
+        targets = layout_targets(res)
+        if targets:
+            out += ["Targets:", "", *targets, ""]
     return "\n".join(out)
