@@ -175,6 +175,6 @@ def test_layout_run_rows_have_every_field(sim):
 
 def test_make_layout_params_builds_the_layout(sim):
     lay = scaled(llama7b(), 512)
-    params = make_layout_params(lay)
+    params = make_layout_params("llama7b", scale=512)
     assert [tuple(p.shape) for p in params] == lay.shapes
     assert all(not device.is_host_tensor(p) and p.grad is not None for p in params)

@@ -176,6 +176,10 @@ def scale_to_fit(layout: Layout, max_numel: int) -> Layout:
         factor += 1
 
 
-def make_layout_params(layout: Layout, seed: int = 0, dtype: torch.dtype = torch.float32) -> list[torch.nn.Parameter]:
-    """Params of `layout`'s shapes on the current device, each with a deterministic gradient."""
-    return make_params(layout.shapes, seed=seed, dtype=dtype)
+def make_layout_params(
+    layout: Layout | str, scale: int = 1, seed: int = 0, dtype: torch.dtype = torch.float32
+) -> list[torch.nn.Parameter]:
+    """Params of `layout`'s shapes (every dim divided by `scale`) on the current device, each with a
+    deterministic gradient."""
+    shape = get_layout(layout) if isinstance(layout, str) else layout
+    return make_params(scaled(shape, scale).shapes, seed=seed, dtype=dtype)
