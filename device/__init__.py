@@ -22,6 +22,11 @@ from device import sim
 # A library stays quiet unless the application asks (the swapopt CLIs call logger.enable).
 logger.disable("device")
 
+# Under SWAPOPT_DEVICE=sim the simulator is active from import on, so that a model built before any other
+# device query already lives in simulated device memory.
+if os.environ.get("SWAPOPT_DEVICE", "").strip().lower() == "sim":
+    sim.process_device()
+
 __all__ = [
     "CHOICES",
     "get_device",

@@ -37,6 +37,7 @@ _LIKE = _packets(
 ) | _ALLOC_ONLY  # fmt: skip
 _LIFT_COPY = _packets("lift_fresh_copy")
 _LOCAL_SCALAR = _packets("_local_scalar_dense")
+_RESIZE = _packets("resize_")
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,7 @@ class OpInfo:
     sync: bool
     lift_copy: bool
     local_scalar: bool
+    resize: bool
 
 
 @functools.cache
@@ -60,12 +62,17 @@ def op_info(func: Any) -> OpInfo:
     schema = func._schema
     packet = func.overloadpacket
     metadata = packet in _METADATA or packet in _LIKE
+    # Collectives' schemas carry no alias annotations, yet they write their tensors in place (every rank
+    # but the source receives data) and return those same tensors.
+    collective = schema.name.startswith("c10d::")
     roles = []
     for i, arg in enumerate(schema.arguments):
         if "Tensor" not in str(arg.type):
             continue
         alias = arg.alias_info
-        if metadata or (alias is not None and not alias.is_write):
+        if collective:
+            role = "w"
+        elif metadata or (alias is not None and not alias.is_write):
             role = "v"
         elif alias is not None:
             role = "o" if arg.kwarg_only else "w"
@@ -76,14 +83,15 @@ def op_info(func: Any) -> OpInfo:
     return OpInfo(
         name=str(func),
         roles=tuple(roles),
-        new_outputs=any(r.alias_info is None and "Tensor" in str(r.type) for r in returns),
-        value_return=any("Tensor" not in str(r.type) for r in returns),
+        new_outputs=not collective and any(r.alias_info is None and "Tensor" in str(r.type) for r in returns),
+        value_return=not collective and any("Tensor" not in str(r.type) for r in returns),  # Work: no wait
         copy=packet in _COPY,
         alloc_only=packet in _ALLOC_ONLY,
         mixed_ok=packet in _MIXED_OK,
         sync=packet in _SYNC,
         lift_copy=packet in _LIFT_COPY,
         local_scalar=packet in _LOCAL_SCALAR,
+        resize=packet in _RESIZE,
     )
 
 
@@ -103,6 +111,16 @@ def byte_range(t: torch.Tensor) -> tuple[int, int] | None:
     offset = t.storage_offset()
     span = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
     return offset * itemsize, (offset + span) * itemsize
+
+
+def strided_layout(t: torch.Tensor) -> tuple | None:
+    """(sizes, strides, storage offset, itemsize) when t's elements leave gaps in its byte span, else None."""
+    if t.is_contiguous() or t.numel() <= 1:
+        return None
+    span = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    if span == t.numel():
+        return None  # a permutation of a dense block touches every byte of its span
+    return tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.element_size()
 
 
 @functools.cache

@@ -8,15 +8,56 @@ Accesses are tracked per storage at byte-range granularity.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import numpy as np
 
 HOST = 0
+# Beyond this many bytes of overlapping span, two strided accesses are assumed to share bytes
+# (exact element sets would cost more memory than the check is worth).
+EXACT_LIMIT = 1 << 26
 
 Clock = dict[int, int]
 
 
 class StreamRaceError(RuntimeError):
-    """Two accesses to the same bytes, at least one a write, that nothing orders."""
+    """Two accesses to the same bytes, at least one a write, that nothing orders.
+
+    Structured fields (None where not applicable): `access` and `earlier` (the two Access records),
+    `stream` and `earlier_stream` (names), `op` and `earlier_op`, `earlier_stack` (where the earlier
+    access was made, innermost frame last), `storage` (id) and `nbytes`, and `kind` ("access" for two
+    unordered accesses, "free" for a block freed while another stream may still use it)."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        kind: str = "access",
+        access: Access | None = None,
+        earlier: Access | None = None,
+        stream: str | None = None,
+        earlier_stream: str | None = None,
+        storage: int | None = None,
+        nbytes: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.kind = kind
+        self.access = access
+        self.earlier = earlier
+        self.stream = stream
+        self.earlier_stream = earlier_stream
+        self.op = access.op if access is not None else None
+        self.earlier_op = earlier.op if earlier is not None else None
+        self.earlier_stack = earlier.stack if earlier is not None else None
+        self.storage = storage
+        self.nbytes = nbytes
+
+    def __str__(self) -> str:
+        text = self.message
+        if self.earlier_stack:
+            text += "\nearlier access made at:\n" + "".join(self.earlier_stack)
+        return text
 
 
 @dataclass(slots=True)
@@ -29,14 +70,69 @@ class Access:
     op: str  # "aten.copy_.default"
     label: str | None  # innermost torch.profiler.record_function range
     shape: tuple[int, ...]
+    # (sizes, strides, storage offset, itemsize) of a strided view whose elements do not fill
+    # [start, end); None for dense accesses
+    layout: tuple | None = None
+    stack: list[str] | None = field(default=None, repr=False)
+
+    def covers(self, other: Access) -> bool:
+        """Whether every byte `other` touches is one this access touches."""
+        return self.layout is None and self.start <= other.start and other.end <= self.end
+
+
+def _byte_mask(acc: Access, lo: int, hi: int) -> np.ndarray:
+    """Bytes of [lo, hi) that `acc` touches."""
+    mask = np.zeros(hi - lo, dtype=bool)
+    if acc.layout is None:
+        mask[max(acc.start, lo) - lo : min(acc.end, hi) - lo] = True
+        return mask
+    sizes, strides, offset, itemsize = acc.layout
+    # Element start offsets in bytes, relative to lo, as an index grid over all dims.
+    starts = np.array([offset * itemsize - lo], dtype=np.int64)
+    for size, stride in zip(sizes, strides):
+        starts = (starts[:, None] + np.arange(size, dtype=np.int64)[None, :] * stride * itemsize).reshape(-1)
+    for b in range(itemsize):
+        pos = starts + b
+        pos = pos[(pos >= 0) & (pos < hi - lo)]
+        mask[pos] = True
+    return mask
+
+
+def overlap(a: Access, b: Access) -> bool:
+    """Whether two accesses share a byte: spans first, then exact element sets for strided views."""
+    lo, hi = max(a.start, b.start), min(a.end, b.end)
+    if lo >= hi:
+        return False
+    if a.layout is None and b.layout is None:
+        return True
+    if hi - lo > EXACT_LIMIT or _elements(a) > EXACT_LIMIT or _elements(b) > EXACT_LIMIT:
+        return True
+    return bool(np.any(_byte_mask(a, lo, hi) & _byte_mask(b, lo, hi)))
+
+
+def _elements(acc: Access) -> int:
+    if acc.layout is None:
+        return 0
+    n = 1
+    for size in acc.layout[0]:
+        n *= size
+    return n
 
 
 class Clocks:
-    """One vector clock per actor."""
+    """One vector clock per actor.
+
+    Per-op cost must not grow with every stream ever made: a retired actor (a dropped stream, a finished
+    thread) whose last epoch every live actor has seen can never race again, so it is compacted away:
+    its entries leave every clock and its records count as ordered."""
+
+    _COMPACT_AT = 32  # retired actors waiting before a compaction pass
 
     def __init__(self) -> None:
         self._vc: list[Clock] = [{HOST: 0}]
         self._live: list[int] = [HOST]  # actors that can still run ops
+        self._retired: list[int] = []
+        self._compacted: set[int] = set()
 
     def new_actor(self) -> int:
         actor = len(self._vc)
@@ -46,12 +142,30 @@ class Clocks:
 
     def retire(self, actor: int) -> None:
         self._live.remove(actor)
+        self._retired.append(actor)
+        if len(self._retired) >= self._COMPACT_AT:
+            self.compact()
+
+    def compact(self) -> None:
+        """Drop retired actors that every live actor has caught up with."""
+        waiting = []
+        for actor in self._retired:
+            last = self._vc[actor].get(actor, 0)
+            if all(self._vc[b].get(actor, 0) >= last for b in self._live):
+                self._compacted.add(actor)
+                for b in self._live:
+                    self._vc[b].pop(actor, None)
+                self._vc[actor] = {}
+            else:
+                waiting.append(actor)
+        self._retired = waiting
 
     def clock(self, actor: int) -> Clock:
         return self._vc[actor]
 
-    def actors(self) -> range:
-        return range(len(self._vc))
+    def actors(self) -> list[int]:
+        """Actors that can still run ops (retired ones left nothing a live actor has not seen or will)."""
+        return list(self._live) + list(self._retired)
 
     def tick(self, actor: int) -> int:
         clock = self._vc[actor]
@@ -63,8 +177,9 @@ class Clocks:
 
     def merge(self, actor: int, other: Clock) -> None:
         clock = self._vc[actor]
+        compacted = self._compacted
         for a, e in other.items():
-            if clock.get(a, 0) < e:
+            if clock.get(a, 0) < e and a not in compacted:
                 clock[a] = e
 
     def merge_actor(self, actor: int, other_actor: int) -> None:
@@ -72,11 +187,16 @@ class Clocks:
 
     def ordered(self, acc: Access, actor: int) -> bool:
         """Whether `acc` happens before the next op of `actor`."""
-        return acc.actor == actor or self._vc[actor].get(acc.actor, 0) >= acc.epoch
+        return acc.actor == actor or self._vc[actor].get(acc.actor, 0) >= acc.epoch or acc.actor in self._compacted
+
+    def has_seen(self, actor: int, clock: Clock) -> bool:
+        """Whether `actor` has seen every epoch in `clock`."""
+        mine = self._vc[actor]
+        return all(mine.get(a, 0) >= e or a in self._compacted for a, e in clock.items())
 
     def seen_by_all(self, acc: Access) -> bool:
         """Whether every actor is already ordered after `acc`: it can never race again."""
-        return all(self._vc[a].get(acc.actor, 0) >= acc.epoch for a in self._live)
+        return acc.actor in self._compacted or all(self._vc[a].get(acc.actor, 0) >= acc.epoch for a in self._live)
 
 
 class AccessLog:
@@ -97,6 +217,7 @@ class AccessLog:
                 and acc.start < rec.end
                 and (acc.write or rec.write)
                 and not clocks.ordered(rec, acc.actor)
+                and overlap(rec, acc)
             ):
                 return rec
         return None
@@ -108,8 +229,7 @@ class AccessLog:
             rec
             for rec in self.records
             if not (
-                acc.start <= rec.start
-                and rec.end <= acc.end
+                acc.covers(rec)
                 and (acc.write or not rec.write)
                 and clocks.ordered(rec, acc.actor)
             )
@@ -132,4 +252,17 @@ def race_message(acc: Access, rec: Access, storage_id: int, nbytes: int, names: 
         f"it while {rec.op} on {where(rec, names)} {'wrote' if rec.write else 'read'} bytes "
         f"[{rec.start}, {rec.end}) (shape {tuple(rec.shape)}) and no event wait, stream wait or synchronize "
         f"orders the two"
+    )
+
+
+def race_error(acc: Access, rec: Access, storage_id: int, nbytes: int, names: list[str]) -> StreamRaceError:
+    """The error for two unordered conflicting accesses, with its structured fields filled in."""
+    return StreamRaceError(
+        race_message(acc, rec, storage_id, nbytes, names),
+        access=acc,
+        earlier=rec,
+        stream=names[acc.actor],
+        earlier_stream=names[rec.actor],
+        storage=storage_id,
+        nbytes=nbytes,
     )

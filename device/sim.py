@@ -1,28 +1,37 @@
 """A simulated accelerator on CPU that fails where a real one would.
 
 All tensors are real CPU tensors and every op runs eagerly, so data are always right. While a
-simulator is active, a TorchDispatchMode sees every aten op and
-- classifies storages: *host* (pinned_empty, pin_memory=True, Tensor.pin_memory()), *pageable*
-  (created before activation, `torch.tensor(...)` literals, outputs of ops that read only host-side
-  tensors and name no device) and *device* (everything else created while active);
-- runs each op touching device memory on the current stream, every other op on the host, and checks
-  its reads and writes (from the op schema, per byte range) against earlier accesses that no event
-  wait, stream wait or synchronize orders before it (`StreamRaceError`);
-- accounts live device bytes against a capacity (`torch.OutOfMemoryError`);
+simulator is active, a TorchDispatchMode (device/modes.py) hands it every aten op, on every thread
+started while it is active, and it
+- classifies storages (device/dispatch.py): *host* (pinned_empty, pin_memory=True, Tensor.pin_memory()),
+  *pageable* (created before activation, `torch.tensor(...)` literals, outputs of ops that read only
+  host-side tensors and name no device) and *device* (everything else created while active, and
+  copies of device memory made outside the dispatcher: deepcopy, storage clones, torch.load);
+- runs each op touching device memory on a stream (the thread's current one; in backward, the stream
+  of the forward op), every other op on the thread's host actor, and checks its reads and writes (from
+  the op schema, on the exact elements of strided views) against earlier accesses that no event wait,
+  stream wait, synchronize or thread join orders before it (device/sanitizer.py, `StreamRaceError`);
+- accounts device memory against a capacity (device/memory.py, `torch.OutOfMemoryError`);
 - places each op on a deterministic timeline (device/timeline.py).
-Inactive, it costs nothing: no mode is pushed.
+Entry points the dispatcher does not see (host reads through tolist / numpy / DLPack / torch.save,
+record_stream with a simulated stream, `.cuda()`, threads, async collectives) are wrapped while a
+simulator is active (device/entry_points.py). Inactive, it costs nothing: no mode is pushed.
 
 The accelerator and the host are both "cpu" here, so `.to(device.torch_device())`, `.cpu()` and
 `.to("cpu")` without a dtype change return the tensor itself: move data with explicit buffers and
-`copy_`. `Tensor.tolist()` and `.numpy()` read data without an aten op and are not checked.
+`copy_`. torch's own `Optimizer.load_state_dict`, which casts states to `param.device`, does copy
+host states of device params to device memory.
 """
 
 from __future__ import annotations
 
+import math
+import os
+import threading
+import traceback
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -30,12 +39,18 @@ from typing import Any
 import torch
 from loguru import logger
 from torch._subclasses.fake_tensor import FakeTensor
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from device import entry_points
 from device.costs import op_flops
-from device.ops import OpInfo, arg_value, byte_range, factory_bytes, new_outputs, op_info, tensors
+from device.dispatch import DEVICE, HOST_MEM, PAGEABLE, check_same_device, op_lane
+from device.dispatch import Arg as _Arg
+from device.dispatch import StorageInfo as _Storage
+from device.memory import Block, DeviceMemory
+from device.modes import _ACTIVE, _STREAM_TAG, _SimMode, _StreamTagMode, active
+from device.ops import OpInfo, arg_value, byte_range, factory_bytes, new_outputs, op_info, strided_layout, tensors
 from device.presets import PRESETS, SimPreset, get_preset
-from device.sanitizer import HOST, Access, AccessLog, Clock, Clocks, StreamRaceError, race_message, where
+from device.sanitizer import HOST, Access, Clock, Clocks, StreamRaceError, race_error, where
+from device.streams import SimEvent, SimStream
 from device.timeline import Timeline, TimelineOp
 
 __all__ = [
@@ -53,7 +68,6 @@ __all__ = [
 
 OutOfMemoryError = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 
-DEVICE, HOST_MEM, PAGEABLE = "device", "host", "pageable"
 
 # Tensor types whose __torch_dispatch__ is this one have no subclass behavior (plain tensors, Parameter).
 _PLAIN_DISPATCH = torch.Tensor.__torch_dispatch__
@@ -68,137 +82,9 @@ def _fmt_bytes(n: float) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
 
 
-@dataclass(eq=False)
-class _Storage:
-    uid: int
-    kind: str
-    nbytes: int
-    alloc_actor: int  # the stream whose pool the block returns to when freed
-    log: AccessLog = field(default_factory=AccessLog)
-    recorded: set[int] = field(default_factory=set)  # streams named by record_stream
 
 
-@dataclass(slots=True)
-class _Arg:
-    tensor: torch.Tensor
-    storage: Any
-    info: _Storage | None
-    role: str
 
-    @property
-    def host_side(self) -> bool:
-        return self.info is None or self.info.kind != DEVICE
-
-    @property
-    def pageable(self) -> bool:
-        return self.info is None or self.info.kind == PAGEABLE
-
-    @property
-    def writes(self) -> bool:
-        return self.role in ("w", "o")
-
-    @property
-    def traffic(self) -> int:
-        """Bytes a kernel moves for this argument: in-place arguments are read and written."""
-        return self.tensor.nbytes * (2 if self.role == "w" else 1)
-
-
-class SimStream:
-    """A stream of the simulated device. Created through `SimDevice.Stream(...)`."""
-
-    _sim: SimDevice
-
-    def __init__(self, device: Any = None, priority: int = 0, *, name: str | None = None) -> None:
-        sim = self._sim
-        self.actor = sim._clocks.new_actor()
-        self.name = sim._name_actor(self.actor, name)
-        # A dropped stream launches nothing more: its clock no longer keeps old accesses alive.
-        weakref.finalize(self, sim._clocks.retire, self.actor).atexit = False
-        self.priority = priority
-        self.device = torch.device("cpu")
-        self.tail_us = 0.0  # modeled time at which its last launched op (or waited event) completes
-        self._prev: list[SimStream] = []
-
-    def wait_event(self, event: SimEvent) -> None:
-        self._sim._stream_wait(self, event)
-
-    def wait_stream(self, stream: SimStream) -> None:
-        self.wait_event(stream.record_event())
-
-    def record_event(self, event: SimEvent | None = None) -> SimEvent:
-        event = event if event is not None else self._sim.Event()
-        event.record(self)
-        return event
-
-    def synchronize(self) -> None:
-        self._sim._host_wait(self._sim._clocks.snapshot(self.actor), self.tail_us)
-
-    def query(self) -> bool:
-        return self._sim._query(self._sim._clocks.snapshot(self.actor), self.tail_us)
-
-    def __enter__(self) -> SimStream:
-        self._prev.append(self._sim.current_stream())
-        self._sim.set_stream(self)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._sim.set_stream(self._prev.pop())
-
-    def __repr__(self) -> str:
-        return f"<sim Stream {self.name}>"
-
-
-class SimEvent:
-    """An event of the simulated device. Created through `SimDevice.Event(...)`."""
-
-    _sim: SimDevice
-
-    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> None:
-        self.enable_timing = enable_timing
-        self.clock: Clock | None = None  # the recording stream's clock at record time
-        self.time_us: float | None = None  # modeled completion time
-
-    def record(self, stream: SimStream | None = None) -> None:
-        self._sim._record(self, stream if stream is not None else self._sim.current_stream())
-
-    def wait(self, stream: SimStream | None = None) -> None:
-        (stream if stream is not None else self._sim.current_stream()).wait_event(self)
-
-    def query(self) -> bool:
-        return self.clock is None or self._sim._query(self.clock, self.time_us)
-
-    def synchronize(self) -> None:
-        if self.clock is not None:
-            self._sim._host_wait(self.clock, self.time_us)
-
-    def elapsed_time(self, end_event: SimEvent) -> float:
-        """Modeled milliseconds between this event and `end_event`, like torch.cuda.Event.elapsed_time."""
-        if not (self.enable_timing and end_event.enable_timing):
-            raise RuntimeError("Both events must be created with argument 'enable_timing=True'")
-        if self.clock is None or end_event.clock is None:
-            raise RuntimeError("Both events must be recorded before calculating elapsed time")
-        if not (self._sim._host_has_seen(self.clock) and self._sim._host_has_seen(end_event.clock)):
-            raise RuntimeError("device not ready: synchronize on the end event before elapsed_time")
-        return (end_event.time_us - self.time_us) / 1e3
-
-    def __repr__(self) -> str:
-        state = "unrecorded" if self.time_us is None else f"at {self.time_us:.3f} us"
-        return f"<sim Event {state}>"
-
-
-class _SimMode(TorchDispatchMode):
-    def __init__(self, sim: SimDevice) -> None:
-        super().__init__()
-        self.sim = sim
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if active() is not self.sim:  # an outer simulator while an inner one is active
-            return func(*args, **kwargs)
-        return self.sim._dispatch(func, types, args, kwargs)
-
-
-_ACTIVE: list[SimDevice] = []
 _PROCESS: list[SimDevice] = []
 
 
@@ -208,10 +94,18 @@ class SimDevice:
     OutOfMemoryError = OutOfMemoryError
 
     def __init__(
-        self, preset: str | SimPreset = "h100", capacity_bytes: int | None = None, sanitize: bool = True
+        self,
+        preset: str | SimPreset = "h100",
+        capacity_bytes: int | None = None,
+        sanitize: bool = True,
+        allocator: str = "exact",
     ) -> None:
         self.preset = get_preset(preset)
         self.capacity_bytes = int(capacity_bytes if capacity_bytes is not None else self.preset.capacity_bytes)
+        if allocator not in ("exact", "caching"):
+            raise ValueError(f"allocator must be 'exact' or 'caching', got {allocator!r}")
+        self._mem = DeviceMemory(self.capacity_bytes, caching=allocator == "caching")
+        self._streams: weakref.WeakValueDictionary[int, SimStream] = weakref.WeakValueDictionary()
         self.sanitize = sanitize
         # Per-instance classes so that `isinstance(s, dev.Stream)` works and streams know their device.
         self.Stream = type("Stream", (SimStream,), {"_sim": self})
@@ -220,8 +114,6 @@ class SimDevice:
         self._timeline = Timeline(self.preset)
         self._storages: dict[int, _Storage] = {}  # StorageImpl address -> info; entries die with the storage
         self._uid = 0
-        self._live = 0
-        self._peak = 0
         self._live_host = 0
         self._peak_host = 0
         self._actor_names = ["host"]
@@ -229,8 +121,16 @@ class SimDevice:
         self._labels: list[str] = []
         self._pending: StreamRaceError | None = None
         self._mode = _SimMode(self)
+        self._grad_mode = _StreamTagMode(self)
+        # Per thread: current stream (thread-local, as in PyTorch), host actor, backward bookkeeping.
+        self._tls = threading.local()
+        self._lock = threading.RLock()
+        self._late_frees: list[tuple[int, int]] = []
+        self._host_actors = {HOST}
+        # Stacks of accesses, for StreamRaceError.earlier_stack; off by default (it costs per op).
+        self.stacks = os.environ.get("SWAPOPT_SIM_STACKS", "0") not in ("", "0")
         self._default = self.Stream(name="compute")
-        self._current = self._default
+        self._comm: SimStream | None = None
 
     def __repr__(self) -> str:
         return f"<SimDevice {self.preset.name} capacity={_fmt_bytes(self.capacity_bytes)}>"
@@ -271,13 +171,13 @@ class SimDevice:
         return True
 
     def current_stream(self, device: Any = None) -> SimStream:
-        return self._current
+        return getattr(self._tls, "current", None) or self._default
 
     def default_stream(self, device: Any = None) -> SimStream:
         return self._default
 
     def set_stream(self, stream: SimStream) -> None:
-        self._current = stream
+        self._tls.current = stream
 
     @contextmanager
     def stream(self, stream: SimStream | None) -> Iterator[SimStream | None]:
@@ -285,46 +185,63 @@ class SimDevice:
         if stream is None:
             yield None
             return
-        previous = self._current
-        self._current = stream
+        previous = self.current_stream()
+        self._tls.current = stream
         try:
             yield stream
         finally:
-            self._current = previous
+            self._tls.current = previous
 
     def synchronize(self, device: Any = None) -> None:
+        host = self._host()
         for actor in self._clocks.actors():
-            self._clocks.merge_actor(HOST, actor)
+            if actor not in self._host_actors:
+                self._clocks.merge_actor(host, actor)
         self._timeline.wait_host(self._timeline.device_tail_us())
+        with self._lock:
+            self._drain_frees()
+        self._clocks.compact()  # dropped streams the host has now seen stop costing anything
+        self._raise_pending()
+
+    def _memory(self) -> DeviceMemory:
+        if self._late_frees:
+            with self._lock:
+                self._drain_frees()
+        self._mem.process_deferred(self._timeline.host_us)
+        return self._mem
 
     def memory_allocated(self, device: Any = None) -> int:
-        return self._live
+        return self._memory().allocated
 
     def max_memory_allocated(self, device: Any = None) -> int:
-        return self._peak
+        return self._memory().peak_allocated
 
     def reset_peak_memory_stats(self, device: Any = None) -> None:
-        self._peak = self._live
+        self._memory().reset_peaks()
         self._peak_host = self._live_host
 
     reset_max_memory_allocated = reset_peak_memory_stats
 
-    # No caching allocator: reserved memory is what live tensors hold.
-    memory_reserved = memory_allocated
-    max_memory_reserved = max_memory_allocated
+    def memory_reserved(self, device: Any = None) -> int:
+        """Bytes held in segments (allocator="caching"); equal to memory_allocated with exact accounting."""
+        return self._memory().reserved
+
+    def max_memory_reserved(self, device: Any = None) -> int:
+        return self._memory().peak_reserved
 
     def empty_cache(self) -> None:
-        pass
+        self._memory().empty_cache()
 
     def mem_get_info(self, device: Any = None) -> tuple[int, int]:
-        return max(self.capacity_bytes - self._live, 0), self.capacity_bytes
+        return max(self.capacity_bytes - self._memory().reserved, 0), self.capacity_bytes
 
     def memory_stats(self, device: Any = None) -> dict[str, int]:
+        mem = self._memory()
         return {
-            "allocated_bytes.all.current": self._live,
-            "allocated_bytes.all.peak": self._peak,
-            "reserved_bytes.all.current": self._live,
-            "reserved_bytes.all.peak": self._peak,
+            "allocated_bytes.all.current": mem.allocated,
+            "allocated_bytes.all.peak": mem.peak_allocated,
+            "reserved_bytes.all.current": mem.reserved,
+            "reserved_bytes.all.peak": mem.peak_reserved,
         }
 
     # ----- simulator extras --------------------------------------------------------------------
@@ -383,24 +300,23 @@ class SimDevice:
         return name
 
     def _record(self, event: SimEvent, stream: SimStream) -> None:
-        self._clocks.merge_actor(stream.actor, HOST)  # recording is a launch: it follows the host's past
+        self._clocks.merge_actor(stream.actor, self._host())  # recording is a launch: it follows the host's past
         event.clock = self._clocks.snapshot(stream.actor)
         event.time_us = max(stream.tail_us, self._timeline.host_us)
 
     def _stream_wait(self, stream: SimStream, event: SimEvent) -> None:
         if event.clock is None:  # waiting on a never-recorded event is a no-op, as in CUDA
             return
-        self._clocks.merge_actor(stream.actor, HOST)
+        self._clocks.merge_actor(stream.actor, self._host())
         self._clocks.merge(stream.actor, event.clock)
         stream.tail_us = max(stream.tail_us, event.time_us)
 
     def _host_wait(self, clock: Clock, time_us: float) -> None:
-        self._clocks.merge(HOST, clock)
+        self._clocks.merge(self._host(), clock)
         self._timeline.wait_host(time_us)
 
     def _host_has_seen(self, clock: Clock) -> bool:
-        host = self._clocks.clock(HOST)
-        return all(host.get(actor, 0) >= epoch for actor, epoch in clock.items())
+        return self._clocks.has_seen(self._host(), clock)
 
     def _query(self, clock: Clock, time_us: float) -> bool:
         if self._timeline.host_us >= time_us:
@@ -409,6 +325,144 @@ class SimDevice:
         # Polling costs host time, so a polling loop reaches the completion time.
         self._timeline.host_us += max(self.preset.launch_us, 1.0)
         return False
+
+    # ----- threads and autograd --------------------------------------------------------------
+    def _host(self) -> int:
+        """The host actor of the calling thread: the main one, or a thread started while active."""
+        return getattr(self._tls, "host", HOST)
+
+    def _fork(self) -> int:
+        """A new host actor for a thread being started: it follows everything its parent did so far."""
+        parent = self._host()
+        child = self._clocks.new_actor()
+        self._host_actors.add(child)
+        self._actor_names.append(f"host thread #{child}")
+        self._clocks.merge_actor(child, parent)
+        self._clocks.tick(parent)
+        return child
+
+    @contextmanager
+    def _thread(self, actor: int) -> Iterator[None]:
+        """Run a started thread's body under this simulator, as `actor`."""
+        self._tls.host = actor
+        modes = (_SimMode(self), _StreamTagMode(self))
+        for mode in modes:
+            mode.__enter__()
+        try:
+            yield
+        finally:
+            for mode in reversed(modes):
+                mode.__exit__(None, None, None)
+            self._clocks.retire(actor)
+
+    def _joined(self, actor: int) -> None:
+        """Thread.join returned: the joining thread follows everything the joined one did."""
+        self._clocks.merge_actor(self._host(), actor)
+
+    def _op_stream(self) -> SimStream:
+        """The stream an op runs on: the current one, or during backward the stream of the op's forward."""
+        node = torch._C._current_autograd_node()
+        if node is None:
+            return self.current_stream()
+        stream = node.metadata.get(_STREAM_TAG) or self._default
+        tls = self._tls
+        backward = getattr(tls, "backward", None)
+        if backward is None:
+            # The first backward op follows the caller's current stream (where the incoming gradient was
+            # made); when the pass ends, the caller's stream waits for every stream it used.
+            caller = self.current_stream()
+            backward = tls.backward = {"caller": caller, "streams": {caller}, "last": caller}
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        if stream is not backward["last"]:
+            # The engine orders a node after the nodes that produced its inputs; following the previous
+            # backward op over-approximates that, so it never reports a race the engine prevents.
+            stream.wait_stream(backward["last"])
+            backward["last"] = stream
+        backward["streams"].add(stream)
+        return stream
+
+    def _end_backward(self) -> None:
+        backward = getattr(self._tls, "backward", None)
+        self._tls.backward = None
+        if backward is not None:
+            for stream in backward["streams"]:
+                if stream is not backward["caller"]:
+                    backward["caller"].wait_stream(stream)
+
+    def _comm_stream(self) -> SimStream:
+        """The stream async collectives run on (like NCCL's internal stream)."""
+        if self._comm is None:
+            self._comm = self.Stream(name="collectives")
+        return self._comm
+
+    # ----- host reads outside the dispatcher ----------------------------------------------------
+    def _host_read(self, t: torch.Tensor, what: str) -> None:
+        """tolist(), numpy(), DLPack, torch.save: the host reads t's bytes without an aten op.
+        A device tensor is read by a blocking copy on the current stream, as CUDA does."""
+        with self._lock:
+            self._host_read_locked(t, what)
+
+    def _host_read_locked(self, t: torch.Tensor, what: str) -> None:
+        if not self.sanitize or t.device.type != "cpu" or t.layout is not torch.strided:
+            return
+        storage = t.untyped_storage()
+        info = self._lookup(storage)
+        if info is None:
+            return
+        arg = _Arg(t, storage, info, "r")
+        if info.kind == DEVICE:
+            stream = self.current_stream()
+            host = self._host()
+            self._clocks.merge_actor(stream.actor, host)
+            self._check_and_log(what, [(arg, stream.actor, self._clocks.tick(stream.actor))])
+            self._clocks.merge_actor(host, stream.actor)
+            self._timeline.wait_host(stream.tail_us)
+        else:
+            host = self._host()
+            self._check_and_log(what, [(arg, host, self._clocks.tick(host))])
+
+    def _adopt(self, storage: Any, like: _Storage | None) -> None:
+        """A storage made outside the dispatcher as a copy of one whose kind is `like` (deepcopy, clone)."""
+        if like is None or self._lookup(storage) is not None:
+            return
+        stream = self.current_stream()
+        info = self._register(storage, like.kind, stream.actor if like.kind == DEVICE else HOST)
+        if info.kind == DEVICE:
+            self._allocated(info, stream)
+
+    def _allocated(self, info: _Storage, stream: SimStream) -> None:
+        """A device block registered outside an op (already accounted): its allocation-stream record."""
+        if self.sanitize and info.nbytes:
+            host = self._host()
+            self._clocks.merge_actor(stream.actor, host)
+            epoch = self._clocks.tick(stream.actor)
+            acc = Access(0, info.nbytes, True, stream.actor, epoch, "(allocation)", self._label(), (info.nbytes,))
+            info.log.add(acc, self._clocks)
+
+    def _loaded(self, storage: Any) -> None:
+        """A storage torch.load restored from a checkpoint saved from device memory: device memory again."""
+        if self._lookup(storage) is None:
+            stream = self.current_stream()
+            self._allocated(self._register(storage, DEVICE, stream.actor), stream)
+
+    def _saved(self, storage: Any) -> bool:
+        """torch.save reads a whole storage on the host; whether it is device memory (saved as such)."""
+        info = self._lookup(storage)
+        if info is None:
+            return False
+        with torch.utils._python_dispatch._disable_current_modes():
+            t = torch.empty(0, dtype=torch.uint8).set_(storage)
+        self._host_read(t, "torch.save")
+        return info.kind == DEVICE
+
+    def _to_param_device(self, param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """torch's Optimizer.load_state_dict casts states to param.device: a host state of a device param is
+        copied to device memory, as on CUDA (both are typed cpu here, so `.to` alone would not copy)."""
+        if self.is_host(value) and not self.is_host(param) and value.layout is torch.strided:
+            out = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype)
+            out.copy_(value)
+            return out
+        return value
 
     # ----- storages and memory -----------------------------------------------------------------
     def _lookup(self, storage: Any) -> _Storage | None:
@@ -419,11 +473,15 @@ class SimDevice:
         key = storage._cdata
         info = _Storage(self._uid, kind, storage.nbytes(), actor)
         self._storages[key] = info
+        if kind == DEVICE:
+            block = self._memory().allocate(info.nbytes)
+            if block is None:
+                del self._storages[key]
+                raise self._oom(info.nbytes)
+            info.block = block
         finalizer = weakref.finalize(storage, self._on_free, key, self._uid)
         finalizer.atexit = False
-        if kind == DEVICE:
-            self._live += info.nbytes
-        elif kind == HOST_MEM:
+        if kind == HOST_MEM:
             self._live_host += info.nbytes
             self._peak_host = max(self._peak_host, self._live_host)
         return info
@@ -431,9 +489,26 @@ class SimDevice:
     def _forget(self, storage: Any) -> None:
         info = self._storages.pop(storage._cdata, None)
         if info is not None and info.kind == DEVICE:
-            self._live -= info.nbytes
+            self._mem.free(info.block)
 
     def _on_free(self, key: int, uid: int) -> None:
+        # Finalizers run on whatever thread drops the last reference, gloo's worker threads included,
+        # possibly while another thread holds the lock and waits for that very worker: never block here.
+        if self._lock.acquire(blocking=False):
+            try:
+                self._free(key, uid)
+                self._drain_frees()
+            finally:
+                self._lock.release()
+        else:
+            self._late_frees.append((key, uid))
+
+    def _drain_frees(self) -> None:
+        """Frees that arrived while another thread held the lock (call with the lock held)."""
+        while self._late_frees:
+            self._free(*self._late_frees.pop(0))
+
+    def _free(self, key: int, uid: int) -> None:
         info = self._storages.get(key)
         if info is None or info.uid != uid:
             return
@@ -442,7 +517,15 @@ class SimDevice:
             self._live_host -= info.nbytes
         if info.kind != DEVICE:
             return
-        self._live -= info.nbytes
+        # The caching allocator reuses a block freed after record_stream only once the recorded streams'
+        # queued work is done; until then it still counts as allocated. (Exact accounting: live storages.)
+        ready = 0.0
+        if self._mem.caching:
+            ready = max((s.tail_us for a in info.recorded if (s := self._streams.get(a)) is not None), default=0.0)
+        if ready > self._timeline.host_us:
+            self._mem.free_after(info.block, ready)
+        else:
+            self._mem.free(info.block)
         if self.sanitize and self._pending is None:
             self._check_free(info)
 
@@ -450,9 +533,9 @@ class SimDevice:
         """A device block returns to its allocation stream's pool: other streams' unordered uses must be
         covered by record_stream, or the allocator may hand the memory out while they still run."""
         alloc_clock = self._clocks.clock(info.alloc_actor)
-        host_clock = self._clocks.clock(HOST)
+        host_clock = self._clocks.clock(self._host())
         for rec in info.log.records:
-            if rec.actor in (HOST, info.alloc_actor) or rec.actor in info.recorded:
+            if rec.actor in self._host_actors or rec.actor == info.alloc_actor or rec.actor in info.recorded:
                 continue
             if alloc_clock.get(rec.actor, 0) >= rec.epoch or host_clock.get(rec.actor, 0) >= rec.epoch:
                 continue
@@ -460,16 +543,24 @@ class SimDevice:
                 f"a device tensor of shape {tuple(rec.shape)} ({info.nbytes} bytes, storage #{info.uid}) "
                 f"allocated on {self._actor_names[info.alloc_actor]} was freed while {rec.op} on {where(rec, self._actor_names)} "
                 f"may still use it; call device.record_stream(t, stream) before dropping it or make "
-                f"{self._actor_names[info.alloc_actor]} wait for that stream"
+                f"{self._actor_names[info.alloc_actor]} wait for that stream",
+                kind="free",
+                earlier=rec,
+                stream=self._actor_names[info.alloc_actor],
+                earlier_stream=self._actor_names[rec.actor],
+                storage=info.uid,
+                nbytes=info.nbytes,
             )
             return
 
     def _oom(self, need: int) -> OutOfMemoryError:
-        free = max(self.capacity_bytes - self._live, 0)
+        mem = self._mem
+        free = max(self.capacity_bytes - mem.reserved, 0)
         return OutOfMemoryError(
             f"Simulated {self.preset.name} out of memory. Tried to allocate {_fmt_bytes(need)}. Device 0 has a "
             f"total capacity of {_fmt_bytes(self.capacity_bytes)} of which {_fmt_bytes(free)} is free. "
-            f"{_fmt_bytes(self._live)} is allocated by live tensors."
+            f"{_fmt_bytes(mem.allocated)} is allocated by live tensors and {_fmt_bytes(mem.reserved - mem.allocated)} "
+            f"is reserved but unallocated."
         )
 
     def _raise_pending(self) -> None:
@@ -480,12 +571,17 @@ class SimDevice:
     # ----- the dispatch mode -------------------------------------------------------------------
     def _start(self) -> None:
         _ACTIVE.append(self)
+        entry_points.install()
         self._mode.__enter__()
+        self._grad_mode.__enter__()
         logger.debug("simulated device {} active", self.preset.name)
 
     def _stop(self) -> None:
+        self._grad_mode.__exit__(None, None, None)
         self._mode.__exit__(None, None, None)
         _ACTIVE.remove(self)
+        if not _ACTIVE:
+            entry_points.uninstall()
 
     def _label(self) -> str | None:
         return self._labels[-1] if self._labels else None
@@ -502,8 +598,8 @@ class SimDevice:
         return out
 
     def _dispatch(self, func: Any, types: tuple, args: tuple, kwargs: dict) -> Any:
-        if self._pending is not None:
-            self._raise_pending()
+        if self._late_frees:
+            self._drain_frees()
         if func.namespace == "profiler":
             return self._profiler_op(func, args, kwargs)
         for t in types:
@@ -522,8 +618,12 @@ class SimDevice:
     def _pinned_alloc(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """pin_memory=True factories and Tensor.pin_memory() give host memory, like pinned_empty."""
         if func.overloadpacket is torch.ops.aten._pin_memory:
+            # Pinning what the simulator counts as device memory (a factory tensor made while active, which
+            # CUDA code would have made on the host) gives a pinned host copy, as pinning a CPU tensor does.
+            # Such a tensor was written synchronously in that code, so the copy follows the current stream.
             if not self.is_host(args[0]):
-                raise RuntimeError("cannot pin device memory: only dense host (CPU) tensors can be pinned")
+                stream = self.current_stream()
+                self._host_wait(self._clocks.snapshot(stream.actor), stream.tail_us)
             func, args, kwargs = torch.ops.aten.clone.default, args[:1], {}
         else:
             kwargs = {**kwargs, "pin_memory": False}  # a CPU-only torch cannot pin
@@ -548,6 +648,8 @@ class SimDevice:
                 has_device = has_device or (info is not None and info.kind == DEVICE)
                 tensor_args.append(_Arg(t, storage, info, role))
         accesses = [a for a in tensor_args if a.role != "v"]
+        if op.resize and has_device:
+            self._check_resize(func, args, kwargs, tensor_args)
         if not accesses and not op.new_outputs:
             out = func(*args, **kwargs)  # views and metadata
             if has_device:
@@ -563,8 +665,9 @@ class SimDevice:
     def _host_op(self, func: Any, op: OpInfo, args: tuple, kwargs: dict, accesses: list[_Arg]) -> Any:
         tracked = [a for a in accesses if a.info is not None]
         if self.sanitize and tracked:
-            epoch = self._clocks.tick(HOST)
-            self._check_and_log(op.name, [(a, HOST, epoch) for a in tracked])
+            host = self._host()
+            epoch = self._clocks.tick(host)
+            self._check_and_log(op.name, [(a, host, epoch) for a in tracked])
         out = func(*args, **kwargs)
         if self._host_alloc:
             for t in new_outputs(func, out):
@@ -586,16 +689,17 @@ class SimDevice:
         has_device: bool,
         has_input: bool,
     ) -> Any:
-        stream = self._current
+        stream = self._op_stream()
         if has_device and not (op.copy or op.mixed_ok) and any(a.writes for a in accesses):
-            self._check_same_device(op, accesses)
+            check_same_device(op, accesses)
         if not has_input:  # a factory: refuse before allocating
             need = factory_bytes(func, args, kwargs)
-            if self._live + need > self.capacity_bytes:
+            if not self._memory().fits(need):
                 raise self._oom(need)
-        lane, blocking, staged_src = self._lane(func, op, args, kwargs, accesses)
+        lane, blocking, staged_src = op_lane(func, op, args, kwargs, accesses)
 
-        self._clocks.merge_actor(stream.actor, HOST)  # a launch follows everything the host did before it
+        host = self._host()
+        self._clocks.merge_actor(stream.actor, host)  # a launch follows everything the host did before it
         epoch = self._clocks.tick(stream.actor)
         if self.sanitize and accesses:
             # Copies access host memory from the stream; other kernels only take host scalars, read at launch.
@@ -603,8 +707,8 @@ class SimDevice:
             plan = []
             for a in accesses:
                 if a.host_side and (not op.copy or (staged_src and not a.writes)):
-                    host_epoch = host_epoch or self._clocks.tick(HOST)
-                    plan.append((a, HOST, host_epoch))
+                    host_epoch = host_epoch or self._clocks.tick(host)
+                    plan.append((a, host, host_epoch))
                 else:
                     plan.append((a, stream.actor, epoch))
             self._check_and_log(op.name, plan)
@@ -613,16 +717,16 @@ class SimDevice:
 
         new = new_outputs(func, out)
         created = []
-        for t in new:
-            storage = t.untyped_storage()
-            if self._lookup(storage) is None:
-                created.append((t, storage, self._register(storage, DEVICE, stream.actor)))
-        self._refresh_sizes(tensor_args)
-        if self._live > self.capacity_bytes:
+        try:
+            for t in new:
+                storage = t.untyped_storage()
+                if self._lookup(storage) is None:
+                    created.append((t, storage, self._register(storage, DEVICE, stream.actor)))
+        except OutOfMemoryError:  # the op's outputs are dropped, as if the allocation had failed
             for _, storage, _ in created:
                 self._forget(storage)
-            raise self._oom(sum(info.nbytes for _, _, info in created))
-        self._peak = max(self._peak, self._live)
+            raise
+        self._refresh_sizes(tensor_args)
         if self.sanitize:
             # A fresh block is safe to use on its allocation stream only: the caching allocator may hand out
             # memory whose last user on that stream is still queued, so other streams must wait for it first.
@@ -642,40 +746,9 @@ class SimDevice:
         timed = self._timeline.launch(stream.name, stream.tail_us, lane, nbytes, op.name, self._label(), flops)
         stream.tail_us = timed.end_us
         if blocking:
-            self._clocks.merge_actor(HOST, stream.actor)
+            self._clocks.merge_actor(host, stream.actor)
             self._timeline.wait_host(timed.end_us)
         return out
-
-    def _lane(self, func: Any, op: OpInfo, args: tuple, kwargs: dict, accesses: list[_Arg]) -> tuple[str, bool, bool]:
-        """(lane, whether the host waits for the op, whether the host stages a pageable source itself)."""
-        blocking = op.sync or op.value_return
-        if op.local_scalar:
-            return "d2h", True, False
-        if not op.copy:
-            return "compute", blocking, False
-        non_blocking = bool(arg_value(func, args, kwargs, "non_blocking", False))
-        written, read = [a for a in accesses if a.writes], [a for a in accesses if not a.writes]
-        if op.new_outputs or any(not a.host_side for a in written):
-            sources = [a for a in read if a.host_side]
-            if sources:  # H2D; from pageable memory the host stages the source before the call returns
-                return "h2d", blocking or not non_blocking, any(a.pageable for a in sources)
-        elif any(not a.host_side for a in read):
-            # D2H; into pageable memory the call returns only when the copy is done, as CUDA does
-            return "d2h", blocking or not non_blocking or any(a.pageable for a in written), False
-        return "compute", blocking, False
-
-    @staticmethod
-    def _check_same_device(op: OpInfo, accesses: list[_Arg]) -> None:
-        """An in-place kernel cannot mix device memory with host arrays (0-dim CPU scalars are fine), as on CUDA.
-        Out-of-place ops are let through so that tests can compare host and device tensors directly."""
-        big = [a for a in accesses if a.host_side and a.tensor.dim() > 0]
-        if big and len(big) < len(accesses):
-            raise RuntimeError(
-                f"Expected all tensors to be on the same device: {op.name} mixes device tensors with a host "
-                f"tensor of shape {tuple(big[0].tensor.shape)}. (Simulated device: host tensors are pinned_empty "
-                f"allocations, torch.tensor literals and tensors created before activation; "
-                f".to(device.torch_device()) does not copy here: allocate on the device and copy_ instead.)"
-            )
 
     def _refresh_sizes(self, tensor_args: list[_Arg]) -> None:
         """Pick up storages resized by an op (resize_) or behind the dispatcher (storage.resize_)."""
@@ -684,12 +757,30 @@ class SimDevice:
             if info is not None and info.kind == DEVICE:
                 nbytes = a.storage.nbytes()
                 if nbytes != info.nbytes:
-                    self._live += nbytes - info.nbytes
-                    info.nbytes = nbytes
+                    # A resize takes a new block, copies and frees the old one: the peak holds both.
+                    block = self._mem.allocate(nbytes)
+                    self._mem.free(info.block)
+                    if block is None:  # resized behind the dispatcher: past capacity, report it now
+                        info.block, info.nbytes = Block(0), 0
+                        raise self._oom(nbytes)
+                    info.block, info.nbytes = block, nbytes
+
+    def _check_resize(self, func: Any, args: tuple, kwargs: dict, tensor_args: list[_Arg]) -> None:
+        """resize_ of a device tensor beyond what fits raises before resizing, like the allocator."""
+        size = arg_value(func, args, kwargs, "size")
+        if not tensor_args or not isinstance(size, (list, tuple)):
+            return
+        a = tensor_args[0]
+        if a.info is None or a.info.kind != DEVICE:
+            return
+        need = (a.tensor.storage_offset() + math.prod(size)) * a.tensor.element_size()
+        if need > a.info.nbytes and not self._memory().fits(need):
+            raise self._oom(need)
 
     def _check_and_log(self, name: str, plan: list[tuple[_Arg, int, int]]) -> None:
         """Check every access of one op against the logs before any is recorded, then record them all."""
         label = self._label()
+        stack = traceback.format_stack()[:-3] if self.stacks else None
         staged = []
         for a, actor, epoch in plan:
             rng = byte_range(a.tensor)
@@ -697,40 +788,43 @@ class SimDevice:
                 continue
             info = a.info if a.info is not None else self._register(a.storage, PAGEABLE)
             a.info = info
-            acc = Access(rng[0], rng[1], a.writes, actor, epoch, name, label, a.tensor.shape)
+            acc = Access(
+                rng[0], rng[1], a.writes, actor, epoch, name, label, a.tensor.shape, strided_layout(a.tensor), stack
+            )
             staged.append((info, acc))
         for info, acc in staged:
             rec = info.log.conflict(acc, self._clocks)
             if rec is not None:
-                raise StreamRaceError(race_message(acc, rec, info.uid, info.nbytes, self._actor_names))
+                raise race_error(acc, rec, info.uid, info.nbytes, self._actor_names)
         for info, acc in staged:
             info.log.add(acc, self._clocks)
 
     def _log_new(self, t: torch.Tensor, info: _Storage, stream: SimStream, epoch: int, name: str) -> None:
         rng = byte_range(t)
         if rng is not None:
-            acc = Access(rng[0], rng[1], True, stream.actor, epoch, name, self._label(), t.shape)
+            stack = traceback.format_stack()[:-3] if self.stacks else None
+            acc = Access(rng[0], rng[1], True, stream.actor, epoch, name, self._label(), t.shape, None, stack)
             info.log.add(acc, self._clocks)
-
-
-def active() -> SimDevice | None:
-    """The innermost active simulator, if any."""
-    return _ACTIVE[-1] if _ACTIVE else None
 
 
 @contextmanager
 def activate(
-    preset: str | SimPreset = "h100", capacity_bytes: int | None = None, sanitize: bool = True
+    preset: str | SimPreset = "h100",
+    capacity_bytes: int | None = None,
+    sanitize: bool = True,
+    allocator: str = "exact",
 ) -> Iterator[SimDevice]:
-    """Run the block on a fresh simulated device; `device.get_device()` is "sim" inside."""
-    sim = SimDevice(preset, capacity_bytes, sanitize)
+    """Run the block on a fresh simulated device; `device.get_device()` is "sim" inside.
+
+    allocator: "exact" counts live storages byte for byte; "caching" models PyTorch's CUDA caching
+    allocator (512-byte blocks, reserved segments, empty_cache, OOM judged on reserved memory)."""
+    sim = SimDevice(preset, capacity_bytes, sanitize, allocator)
     sim._start()
     try:
         yield sim
     finally:
         sim._stop()
-        if sim._pending is not None:  # no later op to report it at
-            logger.warning("{}", sim._pending)
+    sim._raise_pending()  # a race found at a free, not yet reported at a synchronize
 
 
 def process_device() -> SimDevice:

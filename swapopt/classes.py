@@ -109,3 +109,12 @@ def _make_class(optimizer_cls: type[torch.optim.Optimizer]) -> type[SwapOptimize
 
 SwapAdamW = swap_class(torch.optim.AdamW)
 SwapAdam = swap_class(torch.optim.Adam)
+
+
+def __getattr__(name: str) -> type[SwapOptimizer]:
+    """``swapopt.classes.SwapSGD`` and friends for every torch.optim class: pickle finds a class by module and
+    name, so a copy of a ``swap_class(torch.optim.X)`` instance can be loaded in a fresh process."""
+    inner = getattr(torch.optim, name[len("Swap") :], None) if name.startswith("Swap") else None
+    if isinstance(inner, type) and issubclass(inner, torch.optim.Optimizer) and not issubclass(inner, SwapOptimizer):
+        return swap_class(inner)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

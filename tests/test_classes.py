@@ -114,3 +114,19 @@ def test_state_dict_round_trip_between_class_form_and_plain(sim):
     _run(fresh, fresh_params, 2, seed=2)
     _run(ref, ref_params, 2, seed=2)
     _same(fresh_params, fresh, ref_params, ref)
+
+
+def test_generated_class_pickles_by_name(sim):
+    """pickle finds a class by module and name: swap_class(X) instances copy into a fresh process."""
+    import pickle
+
+    params = _params()
+    opt = swap_class(O.SGD)(params, lr=1e-2, momentum=0.9, swap_optimizer_times=2)
+    _run(opt, params, 2)
+    assert swapopt.classes.SwapSGD is swap_class(O.SGD)
+    copy = pickle.loads(pickle.dumps(opt))
+    assert type(copy) is type(opt)
+    for p, q in zip(opt.param_groups[0]["params"], copy.param_groups[0]["params"]):
+        assert torch.equal(opt.state[p]["momentum_buffer"], copy.state[q]["momentum_buffer"])
+    with pytest.raises(AttributeError):
+        swapopt.classes.SwapNotAnOptimizer

@@ -97,3 +97,43 @@ def test_synchronize_orders_everything(sim):
         assert torch.equal(h, torch.full((16,), float(i)))
     for src in srcs:
         src.zero_()  # every stream is done with the sources
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_load_state_dict_places_states_as_cuda_would(sim, fused):
+    """torch casts loaded states to param.device, except a plain optimizer's `step`, which stays on the host."""
+    import io
+
+    p = torch.nn.Parameter(torch.randn(8))
+    opt = torch.optim.AdamW([p], fused=fused)
+    p.grad = torch.randn(8)
+    opt.step()
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    buf.seek(0)
+    host_state = torch.load(buf, map_location="cpu")  # host tensors, as a CPU copy of a checkpoint
+    assert all(sim.is_host(t) for t in host_state["state"][0].values())
+    twin = torch.nn.Parameter(p.detach().clone())
+    other = torch.optim.AdamW([twin], fused=fused)
+    other.load_state_dict(host_state)
+    state = other.state[twin]
+    assert not sim.is_host(state["exp_avg"]) and not sim.is_host(state["exp_avg_sq"])
+    assert sim.is_host(state["step"]) is (not fused)
+    twin.grad = p.grad.clone()
+    other.step()
+    opt.step()
+    assert torch.equal(twin, p)
+    sim.synchronize()
+
+
+def test_cuda_moves_host_tensors_and_modules(sim):
+    before = torch.tensor([1.0, 2.0, 3.0, 4.0])  # a literal: pageable host memory
+    assert sim.is_host(before)
+    moved = before.cuda()
+    assert not sim.is_host(moved) and torch.equal(moved, before)
+    assert moved.cuda() is moved and not sim.is_host(before.to("cuda"))
+    layer = torch.nn.Linear(2, 2)
+    layer.weight.data = torch.tensor([[1.0, 0.0], [0.0, 1.0]])  # host weights, as on CUDA before .cuda()
+    assert sim.is_host(layer.weight)
+    assert layer.cuda() is layer and not sim.is_host(layer.weight)
+    assert torch.equal(layer.weight, torch.eye(2))

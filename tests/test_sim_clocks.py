@@ -123,3 +123,58 @@ def test_pruning_keeps_records_the_host_has_not_seen(monkeypatch):
     log.add(_access(clocks, b, False, 8, 16), clocks)
     log.add(_access(clocks, b, False, 16, 24), clocks)
     assert log.conflict(_access(clocks, HOST, False, 0, 8), clocks) is not None
+
+
+def test_dropped_streams_leave_the_clocks(clean_device_env):
+    """Per-op cost depends on live streams only: thousands of dropped streams leave no clock entries."""
+    import gc
+
+    import torch
+
+    from device import sim as simulator
+
+    with simulator.activate() as sim:
+        x = torch.ones(16)
+        for i in range(2000):
+            if i % 100 == 0:
+                sim.synchronize()  # the host catches up: dropped streams can be compacted
+            s = sim.Stream()
+            s.wait_stream(sim.default_stream())
+            with sim.stream(s):
+                x.add_(1)
+            sim.current_stream().wait_stream(s)
+            del s
+        gc.collect()
+        sim.synchronize()
+        x.add_(1)
+        sizes = [len(sim._clocks.clock(a)) for a in sim._clocks._live]
+        assert max(sizes) <= 2 * Clocks._COMPACT_AT + 8, sizes
+        assert torch.equal(x, torch.full((16,), 2002.0))
+        side = sim.Stream()
+        side.wait_stream(sim.default_stream())
+        with sim.stream(side):
+            x.mul_(2)
+        with pytest.raises(simulator.StreamRaceError):
+            x.sum()  # races are still found after compaction
+        sim.synchronize()
+
+
+def test_unsynchronized_dropped_stream_keeps_its_records(clean_device_env):
+    import gc
+
+    import torch
+
+    from device import sim as simulator
+
+    with simulator.activate() as sim:
+        x = torch.ones(16)
+        s = sim.Stream()
+        s.wait_stream(sim.default_stream())
+        with sim.stream(s):
+            x.add_(1)
+        del s
+        gc.collect()
+        sim._clocks.compact()  # nobody has seen the add yet: it must stay
+        with pytest.raises(simulator.StreamRaceError):
+            x.sum()
+        sim.synchronize()

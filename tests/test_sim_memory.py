@@ -103,5 +103,84 @@ def test_pin_memory_paths_give_host_memory(sim):
     assert pinned.is_pinned() and sim.host_memory_allocated() == 512
     del a
     assert sim.host_memory_allocated() == 112 and sim.max_host_memory_allocated() == 512
-    with pytest.raises(RuntimeError, match="cannot pin"):
-        torch.ones(4).pin_memory()  # device memory, as pinning a CUDA tensor fails
+    # A factory tensor made while active is device memory here but host memory in the same CUDA code:
+    # pinning it gives a pinned host copy, as on CUDA.
+    made = torch.ones(4)
+    pinned_copy = made.pin_memory()
+    assert sim.is_host(pinned_copy) and pinned_copy.is_pinned() and not sim.is_host(made)
+    assert torch.equal(pinned_copy, made)
+
+
+def test_resize_peak_holds_old_and_new_block(sim):
+    t = torch.empty(1000)  # 4000 B
+    sim.reset_peak_memory_stats()
+    t.resize_(2000)  # 8000 B: a new block, a copy, the old block freed
+    assert sim.memory_allocated() == 8000
+    assert sim.max_memory_allocated() == 12_000
+
+
+def test_resize_past_capacity_raises_before_resizing(clean_device_env):
+    with simulator.activate(capacity_bytes=10_000) as sim:
+        t = torch.empty(1000)
+        with pytest.raises(torch.OutOfMemoryError):
+            t.resize_(3000)
+        assert t.numel() == 1000 and sim.memory_allocated() == 4000
+
+
+MiB = 1 << 20
+
+
+def test_caching_allocator_rounds_small_blocks_and_reserves_segments(clean_device_env):
+    with simulator.activate(allocator="caching") as sim:
+        a = torch.empty(1)  # 4 B -> one 512 B block from a 2 MiB small segment
+        assert sim.memory_allocated() == 512 and sim.memory_reserved() == 2 * MiB
+        b = torch.empty(3 * MiB // 4)  # 3 MiB -> a 20 MiB large segment
+        assert sim.memory_allocated() == 512 + 3 * MiB and sim.memory_reserved() == 22 * MiB
+        c = torch.empty(25 * MiB // 4)  # 25 MiB -> its own segment rounded to 2 MiB: 26 MiB
+        assert sim.memory_reserved() == 48 * MiB
+        del b, c  # freed blocks stay reserved for reuse
+        assert sim.memory_allocated() == 512 and sim.memory_reserved() == 48 * MiB
+        d = torch.empty(3 * MiB // 4)  # served from the cache: nothing new reserved
+        assert sim.memory_reserved() == 48 * MiB
+        del d
+        sim.empty_cache()
+        assert sim.memory_reserved() == 2 * MiB and sim.mem_get_info()[0] == sim.capacity_bytes - 2 * MiB
+        assert sim.max_memory_reserved() == 48 * MiB
+        del a
+
+
+def test_caching_allocator_judges_out_of_memory_on_reserved(clean_device_env):
+    with simulator.activate(capacity_bytes=40 * MiB, allocator="caching") as sim:
+        keep = torch.empty(3 * MiB // 4)  # a 20 MiB segment
+        with pytest.raises(torch.OutOfMemoryError, match="reserved"):
+            torch.empty(22 * MiB // 4)  # 22 MiB segment: 42 MiB reserved > 40 MiB
+        small = torch.empty(16 * MiB // 4)  # fits the cached rest of the 20 MiB segment
+        assert sim.memory_reserved() == 20 * MiB
+        del keep, small
+        big = torch.empty(36 * MiB // 4)  # the cache is released first, then 36 MiB fits
+        assert sim.memory_reserved() == 36 * MiB and big.numel()
+
+
+def test_record_stream_defers_reuse_until_the_stream_is_done(clean_device_env):
+    with simulator.activate(allocator="caching") as sim:
+        side = sim.Stream()
+        host = device.pinned_empty(MiB)
+        staging = torch.empty(MiB)  # 4 MiB block
+        side.wait_stream(sim.default_stream())
+        with sim.stream(side):
+            staging.copy_(host, non_blocking=True)  # ~76 us on the link
+        staging.record_stream(side)
+        del staging
+        assert sim.memory_allocated() == 4 * MiB  # still held: the copy is queued
+        side.synchronize()
+        assert sim.memory_allocated() == 0
+
+
+def test_threads_allocations_are_counted(sim):
+    import threading
+
+    held = []
+    worker = threading.Thread(target=lambda: held.append(torch.empty(256)))
+    worker.start()
+    worker.join()
+    assert sim.memory_allocated() == 1024 and not sim.is_host(held[0])

@@ -63,6 +63,7 @@ def test_wait_on_unrelated_event_does_not_order(sim):
     sim.current_stream().wait_event(other.record_event())
     with pytest.raises(StreamRaceError):
         dst.add_(1)
+    sim.synchronize()  # the side stream's work is done before its tensors are freed
 
 
 def test_event_recorded_before_the_copy_does_not_order(sim):
@@ -72,6 +73,7 @@ def test_event_recorded_before_the_copy_does_not_order(sim):
     sim.current_stream().wait_event(early)
     with pytest.raises(StreamRaceError):
         dst.neg()
+    sim.synchronize()  # the side stream's work is done before its tensors are freed
 
 
 def _d2h(sim, stream, n=256):
@@ -133,6 +135,7 @@ def test_item_makes_the_host_wait(sim):
         host.copy_(x, non_blocking=True)
     with pytest.raises(StreamRaceError):
         host.mean()  # this D2H is still in flight
+    sim.synchronize()  # the side stream's work is done before its tensors are freed
 
 
 def test_side_stream_overwrite_of_buffer_compute_still_reads_races(sim):
@@ -158,6 +161,7 @@ def test_side_stream_overwrite_after_wait_passes(sim):
     host.fill_(0.5)
     with sim.stream(side):
         buf.copy_(host, non_blocking=True)
+    sim.synchronize()  # the side stream's work is done before its tensors are freed
 
 
 def test_two_streams_reading_do_not_race(sim):
@@ -168,6 +172,7 @@ def test_two_streams_reading_do_not_race(sim):
         a = x * 2
     b = x * 3  # read/read is never a race
     assert a.shape == b.shape
+    sim.synchronize()  # the side stream's work is done before its tensors are freed
 
 
 def test_pageable_h2d_releases_source_at_return(sim):
@@ -180,6 +185,7 @@ def test_pageable_h2d_releases_source_at_return(sim):
     src.add_(1)  # the host staged the pageable source before the call returned
     with pytest.raises(StreamRaceError):
         dst.sum()  # but the device write still needs a wait
+    sim.synchronize()  # the side stream's work is done before its tensors are freed
 
 
 def test_foreach_ops_are_tracked(sim):
@@ -208,6 +214,7 @@ def test_out_argument_counts_as_write(sim):
         torch.add(x, 1, out=out)
     with pytest.raises(StreamRaceError):
         out.sum()
+    sim.synchronize()  # the side stream's work is done before its tensors are freed
 
 
 def test_mixing_device_and_host_tensors_fails_like_cuda(sim):
@@ -239,8 +246,22 @@ def test_freed_without_record_stream_is_reported(sim):
     with sim.stream(side):
         staging.copy_(host, non_blocking=True)
     del staging  # compute may reuse the block while the side-stream copy still runs
+    torch.ones(1)  # an unrelated op does not report it...
+    with pytest.raises(StreamRaceError, match="record_stream") as err:
+        sim.synchronize()  # ...the next synchronize does
+    assert err.value.kind == "free" and err.value.earlier_stream == "stream#1"
+    assert err.value.earlier_op == "aten.copy_.default"
+
+
+def test_race_found_at_free_fails_at_activate_exit(clean_device_env):
     with pytest.raises(StreamRaceError, match="record_stream"):
-        torch.ones(1)
+        with simulator.activate() as sim:
+            side = sim.Stream()
+            staging = torch.empty(64)
+            side.wait_stream(sim.default_stream())
+            with sim.stream(side):
+                staging.mul_(2)
+            del staging
 
 
 def test_record_stream_makes_free_safe(sim):
@@ -337,3 +358,51 @@ def test_block_allocated_on_compute_needs_a_wait_before_side_stream_use(sim):
         own = torch.empty(32)  # allocated on the side stream itself
         own.copy_(host, non_blocking=True)
     device.record_stream(own, side)
+
+
+def test_race_error_carries_both_accesses(sim):
+    sim.stacks = True
+    side = sim.Stream()
+    _, dst = _h2d_on(sim, side)
+    with pytest.raises(StreamRaceError) as err:
+        dst.sum()
+    e = err.value
+    assert e.kind == "access" and e.stream == "compute" and e.earlier_stream == "stream#1"
+    assert e.op == "aten.sum.default" and e.earlier_op == "aten.copy_.default"
+    assert e.access.write is False and e.earlier.write is True and e.storage is not None
+    assert any("_h2d_on" in frame for frame in e.earlier_stack)
+    assert "earlier access made at" in str(e) and "_h2d_on" in str(e)
+    sim.synchronize()
+
+
+def test_strided_views_of_one_tensor_are_judged_by_elements(sim):
+    x = torch.zeros(64)
+    side = sim.Stream()
+    side.wait_stream(sim.default_stream())
+    with sim.stream(side):
+        x[0::2].fill_(1.0)
+    x[1::2].fill_(2.0)  # disjoint elements: no race
+    with pytest.raises(StreamRaceError):
+        x[0::4].fill_(3.0)  # shares elements with the side stream's write
+    sim.synchronize()
+    assert torch.equal(x[0::2], torch.ones(32)) and torch.equal(x[1::2], torch.full((32,), 2.0))
+
+
+def test_checkpoint_save_needs_the_swap_out_wait(sim, monkeypatch):
+    """Without waiting for in-flight D2H copies, saving the swapped states reads them too early."""
+    import io
+
+    from swapopt import SwapOptimizer
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(256)) for _ in range(4)]
+    opt = SwapOptimizer(torch.optim.AdamW(params), swap_optimizer_times=2)
+    for p in params:
+        p.grad = torch.randn(256)
+    opt.step()
+    monkeypatch.setattr(SwapOptimizer, "wait_for_swap_out", lambda self, params=None: None)
+    with pytest.raises(StreamRaceError):
+        torch.save(opt.state_dict(), io.BytesIO())
+    monkeypatch.undo()
+    torch.save(opt.state_dict(), io.BytesIO())  # with the wait: clean
+    sim.synchronize()

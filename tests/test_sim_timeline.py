@@ -81,6 +81,7 @@ def test_same_direction_copies_share_the_link(sim_no_launch):
         with sim.stream(s):
             dst.copy_(src, non_blocking=True)
     assert _span(sim) == pytest.approx(2 * COPY_US)
+    sim.synchronize()  # side-stream work ends before its tensors are freed
 
 
 def test_copy_beside_compute_overlaps(sim_no_launch):
@@ -99,6 +100,7 @@ def test_copy_beside_compute_overlaps(sim_no_launch):
     assert sim.timeline[1].start_us == 0.0
     assert sim.timeline[1].end_us == pytest.approx(compute_us)
     assert _span(sim) == pytest.approx(max(COPY_US, compute_us))
+    sim.synchronize()  # side-stream work ends before its tensors are freed
 
 
 def test_wait_event_delays_the_waiting_stream(sim_no_launch):

@@ -1,0 +1,85 @@
+"""Per-op classification for the simulator: what memory each tensor argument is, which lane an op runs
+on (h2d, d2h, compute), whether the host waits for it, and CUDA's rule against mixing device and host
+arrays in one kernel."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from device.memory import Block
+from device.ops import OpInfo, arg_value
+from device.sanitizer import AccessLog
+
+DEVICE, HOST_MEM, PAGEABLE = "device", "host", "pageable"
+
+
+@dataclass(eq=False)
+class StorageInfo:
+    uid: int
+    kind: str
+    nbytes: int
+    alloc_actor: int  # the stream whose pool the block returns to when freed
+    log: AccessLog = field(default_factory=AccessLog)
+    recorded: set[int] = field(default_factory=set)  # streams named by record_stream
+    block: Block | None = None  # what the allocator model holds for it (device storages)
+
+
+@dataclass(slots=True)
+class Arg:
+    tensor: torch.Tensor
+    storage: Any
+    info: StorageInfo | None
+    role: str
+
+    @property
+    def host_side(self) -> bool:
+        return self.info is None or self.info.kind != DEVICE
+
+    @property
+    def pageable(self) -> bool:
+        return self.info is None or self.info.kind == PAGEABLE
+
+    @property
+    def writes(self) -> bool:
+        return self.role in ("w", "o")
+
+    @property
+    def traffic(self) -> int:
+        """Bytes a kernel moves for this argument: in-place arguments are read and written."""
+        return self.tensor.nbytes * (2 if self.role == "w" else 1)
+
+
+def op_lane(func: Any, op: OpInfo, args: tuple, kwargs: dict, accesses: list[Arg]) -> tuple[str, bool, bool]:
+    """(lane, whether the host waits for the op, whether the host stages a pageable source itself)."""
+    blocking = op.sync or op.value_return
+    if op.local_scalar:
+        return "d2h", True, False
+    if not op.copy:
+        return "compute", blocking, False
+    non_blocking = bool(arg_value(func, args, kwargs, "non_blocking", False))
+    written, read = [a for a in accesses if a.writes], [a for a in accesses if not a.writes]
+    if op.new_outputs or any(not a.host_side for a in written):
+        sources = [a for a in read if a.host_side]
+        if sources:  # H2D; from pageable memory the host stages the source before the call returns
+            return "h2d", blocking or not non_blocking, any(a.pageable for a in sources)
+    elif any(not a.host_side for a in read):
+        # D2H; into pageable memory the call returns only when the copy is done, as CUDA does
+        return "d2h", blocking or not non_blocking or any(a.pageable for a in written), False
+    return "compute", blocking, False
+
+
+def check_same_device(op: OpInfo, accesses: list[Arg]) -> None:
+    """An in-place kernel cannot mix device memory with host arrays (0-dim CPU scalars are fine), as on CUDA.
+    Out-of-place ops are let through so that tests can compare host and device tensors directly."""
+    # 0-dim and 1-element host tensors (a fused kernel's lr of any rank) are read at launch, as torch allows.
+    big = [a for a in accesses if a.host_side and a.tensor.numel() > 1]
+    if big and len(big) < len(accesses):
+        raise RuntimeError(
+            f"Expected all tensors to be on the same device: {op.name} mixes device tensors with a host "
+            f"tensor of shape {tuple(big[0].tensor.shape)}. (Simulated device: host tensors are pinned_empty "
+            f"allocations, torch.tensor literals and tensors created before activation; "
+            f".to(device.torch_device()) does not copy here: allocate on the device and copy_ instead.)"
+        )

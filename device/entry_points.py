@@ -1,0 +1,319 @@
+"""Torch entry points the simulator answers for while one is active.
+
+A TorchDispatchMode sees aten ops on the thread that pushed it, and nothing else. These wrappers cover
+what it cannot see, so that the simulator judges those paths as CUDA would:
+- `Tensor.record_stream(sim_stream)`: torch's parser accepts only its own Stream type;
+- host reads that bypass the dispatcher: `tolist()`, `numpy()`, `__array__`, DLPack (`torch.save` is
+  covered by the serialization tagger below);
+- storages copied outside the dispatcher (`deepcopy`, `UntypedStorage.clone`) keep the kind of their source;
+- torch's `Optimizer.load_state_dict` casting states to `param.device`;
+- `Tensor.cuda()` / `Module.cuda()` and `.to("cuda")`: the simulated device stands in for CUDA;
+- threads started while active run under the simulator as host threads of their own (start and join
+  order them);
+- async collectives run on a collectives stream until `work.wait()`.
+Installed with the first active simulator and removed with the last, except the serialization tagger,
+which is registered once (torch has no way to unregister one) and does nothing while none is active.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from typing import Any
+
+import torch
+
+_SAVED: dict[tuple[Any, str], Any] = {}
+_REGISTERED: list[bool] = []
+
+# Storages saved from simulated device memory carry this location tag, so that torch.load under an
+# active simulator restores them as device memory (as a checkpoint of CUDA tensors loads on CUDA).
+# Without a simulator they load as CPU storages; `map_location="cpu"` loads them anywhere.
+SIM_LOCATION = "swapopt_sim"
+
+_COLLECTIVES = (
+    "all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
+    "reduce_scatter_tensor", "all_to_all_single", "all_to_all",
+)  # fmt: skip
+
+
+def _sim() -> Any:
+    from device.sim import active
+
+    return active()
+
+
+_INHERITED = object()  # the attribute came from a base class: delete ours to restore it
+
+
+def _patch(owner: Any, name: str, make: Any) -> None:
+    own = name in vars(owner)
+    original = vars(owner)[name] if own else getattr(owner, name)
+    _SAVED[(owner, name)] = original if own else _INHERITED
+    setattr(owner, name, make(original))
+
+
+def _read_wrapper(what: str):
+    def make(original):
+        @functools.wraps(original)
+        def wrapper(self, *args, **kwargs):
+            sim = _sim()
+            if sim is not None:
+                sim._host_read(self, what)
+            return original(self, *args, **kwargs)
+
+        return wrapper
+
+    return make
+
+
+def _record_stream(original):
+    @functools.wraps(original)
+    def record_stream(self, stream):
+        sim = _sim()
+        if sim is not None and isinstance(stream, sim.Stream):
+            sim.record_stream(self, stream)
+            return None
+        return original(self, stream)
+
+    return record_stream
+
+
+def _clone(original):
+    @functools.wraps(original)
+    def clone(self):
+        sim = _sim()
+        if sim is None or self.device.type != "cpu":
+            return original(self)
+        like = sim._lookup(self)
+        new = type(self)(self.nbytes())
+        sim._adopt(new, like)
+        return new.copy_(self)  # a dispatched copy: checked and timed like any other
+
+    return clone
+
+
+def _step_on_device(param_id: Any = None, param_groups: Any = None) -> bool:
+    """torch keeps `step` on param.device only for fused and capturable groups."""
+    for group in param_groups or ():
+        if param_id in group["params"]:
+            return bool(group.get("fused") or group.get("capturable"))
+    return False
+
+
+def _param_policy(original):
+    @functools.wraps(original)
+    def policy(param, value, *args, **kwargs):
+        out = original(param, value, *args, **kwargs)
+        sim = _sim()
+        key = kwargs.get("key", args[2] if len(args) > 2 else None)
+        if key == "step" and not _step_on_device(*args[:2]):
+            return out  # a plain optimizer's `step` stays on the host, as on CUDA
+        if sim is not None and isinstance(out, torch.Tensor) and out.device.type == "cpu":
+            return sim._to_param_device(param, out)
+        return out
+
+    return policy
+
+
+def _static(make):
+    """Wrap a staticmethod found in a class __dict__."""
+    return lambda original: staticmethod(make(original.__func__ if isinstance(original, staticmethod) else original))
+
+
+def _is_cuda(target: Any) -> bool:
+    if isinstance(target, str):
+        return target.split(":")[0] == "cuda"
+    return isinstance(target, torch.device) and target.type == "cuda"
+
+
+def _to_sim(sim: Any, t: torch.Tensor) -> torch.Tensor:
+    """`.cuda()`: device memory stays, host memory is copied to a device tensor."""
+    if not sim.is_host(t):
+        return t
+    out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype)
+    out.copy_(t)
+    return out
+
+
+def _tensor_cuda(original):
+    @functools.wraps(original)
+    def cuda(self, device=None, non_blocking=False, **kwargs):
+        sim = _sim()
+        if sim is None:
+            return original(self, device, non_blocking, **kwargs)
+        return _to_sim(sim, self)
+
+    return cuda
+
+
+def _tensor_to(original):
+    @functools.wraps(original)
+    def to(self, *args, **kwargs):
+        sim = _sim()
+        if sim is None:
+            return original(self, *args, **kwargs)
+        if args and _is_cuda(args[0]):
+            args = args[1:]
+            out = original(self, *args, **kwargs) if (args or kwargs) else self
+            return _to_sim(sim, out)
+        if _is_cuda(kwargs.get("device")):
+            kwargs = {k: v for k, v in kwargs.items() if k != "device"}
+            out = original(self, *args, **kwargs) if (args or kwargs) else self
+            return _to_sim(sim, out)
+        return original(self, *args, **kwargs)
+
+    return to
+
+
+def _module_cuda(original):
+    @functools.wraps(original)
+    def cuda(self, device=None):
+        sim = _sim()
+        if sim is None:
+            return original(self, device)
+        return self._apply(lambda t: _to_sim(sim, t))
+
+    return cuda
+
+
+def _module_to(original):
+    @functools.wraps(original)
+    def to(self, *args, **kwargs):
+        sim = _sim()
+        if sim is not None and ((args and _is_cuda(args[0])) or _is_cuda(kwargs.get("device"))):
+            args = args[1:] if args and _is_cuda(args[0]) else args
+            kwargs = {k: v for k, v in kwargs.items() if k != "device"}
+            if args or kwargs:
+                original(self, *args, **kwargs)
+            return self._apply(lambda t: _to_sim(sim, t))
+        return original(self, *args, **kwargs)
+
+    return to
+
+
+def _thread_start(original):
+    @functools.wraps(original)
+    def start(self):
+        sim = _sim()
+        if sim is not None and not getattr(self, "_swapopt_sim_actor", None):
+            actor = sim._fork()
+            self._swapopt_sim_actor = (sim, actor)
+            run = self.run
+
+            def run_simulated():
+                with sim._thread(actor):
+                    run()
+
+            self.run = run_simulated
+        return original(self)
+
+    return start
+
+
+def _thread_join(original):
+    @functools.wraps(original)
+    def join(self, timeout=None):
+        original(self, timeout)
+        tagged = getattr(self, "_swapopt_sim_actor", None)
+        if tagged is not None and not self.is_alive():
+            sim, actor = tagged
+            sim._joined(actor)
+
+    return join
+
+
+class _SimWork:
+    """The Work of an async collective: `wait()` orders the caller's current stream after the collective."""
+
+    def __init__(self, work: Any, sim: Any, event: Any) -> None:
+        self._work, self._sim, self._event = work, sim, event
+
+    def wait(self, *args: Any, **kwargs: Any) -> bool:
+        done = self._work.wait(*args, **kwargs)
+        self._sim.current_stream().wait_event(self._event)
+        return done
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
+
+
+def _collective(original):
+    @functools.wraps(original)
+    def collective(*args, **kwargs):
+        sim = _sim()
+        if sim is None or not kwargs.get("async_op"):
+            return original(*args, **kwargs)
+        caller = sim.current_stream()
+        comm = sim._comm_stream()
+        comm.wait_stream(caller)  # a collective is enqueued after the caller's prior work
+        with sim.stream(comm):
+            work = original(*args, **kwargs)
+            event = comm.record_event()
+        return _SimWork(work, sim, event) if work is not None else None
+
+    return collective
+
+
+def _tag(storage: Any) -> str | None:
+    sim = _sim()
+    if sim is None or storage.device.type != "cpu":
+        return None
+    storage = getattr(storage, "_untyped_storage", storage)
+    return SIM_LOCATION if sim._saved(storage) else None
+
+
+def _restore(storage: Any, location: str) -> Any:
+    if location != SIM_LOCATION:
+        return None
+    sim = _sim()
+    if sim is not None:
+        sim._loaded(getattr(storage, "_untyped_storage", storage))
+    return storage
+
+
+def register_serialization() -> None:
+    """Teach torch.save / torch.load about simulated device memory (once per process)."""
+    if not _REGISTERED:
+        torch.serialization.register_package(-1, _tag, _restore)
+        _REGISTERED.append(True)
+
+
+def install() -> None:
+    """Wrap the entry points (idempotent)."""
+    register_serialization()
+    if _SAVED:
+        return
+    T = torch.Tensor
+    for name, what in (("tolist", "Tensor.tolist"), ("numpy", "Tensor.numpy"), ("__array__", "Tensor.__array__"),
+                       ("__dlpack__", "Tensor.__dlpack__")):  # fmt: skip
+        _patch(T, name, _read_wrapper(what))
+    _patch(T, "record_stream", _record_stream)
+    _patch(T, "cuda", _tensor_cuda)
+    _patch(T, "to", _tensor_to)
+    _patch(torch.UntypedStorage, "clone", _clone)
+    _patch(torch.optim.Optimizer, "_process_value_according_to_param_policy", _static(_param_policy))
+    _patch(torch.nn.Module, "cuda", _module_cuda)
+    _patch(torch.nn.Module, "to", _module_to)
+    _patch(threading.Thread, "start", _thread_start)
+    _patch(threading.Thread, "join", _thread_join)
+    if torch.distributed.is_available():
+        import torch.distributed.distributed_c10d as c10d
+
+        for name in _COLLECTIVES:
+            original = getattr(c10d, name, None)
+            if original is None:
+                continue
+            _patch(c10d, name, _collective)
+            if getattr(torch.distributed, name, None) is original:
+                _patch(torch.distributed, name, lambda _o, wrapped=getattr(c10d, name): wrapped)
+
+
+def uninstall() -> None:
+    """Restore every wrapped entry point."""
+    for (owner, name), original in reversed(list(_SAVED.items())):
+        if original is _INHERITED:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, original)
+    _SAVED.clear()

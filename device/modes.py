@@ -1,0 +1,76 @@
+"""The modes a simulator pushes while active: a TorchDispatchMode that hands every aten op to it, and a
+TorchFunctionMode that records on each autograd node the stream its forward op ran on."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+if TYPE_CHECKING:
+    from device.sim import SimDevice
+    from device.streams import SimStream
+
+
+_UNLOCKED = frozenset({"c10d", "_c10d_functional", "c10d_functional", "_dtensor"})
+
+
+class _SimMode(TorchDispatchMode):
+    def __init__(self, sim: SimDevice) -> None:
+        super().__init__()
+        self.sim = sim
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if active() is not self.sim:  # an outer simulator while an inner one is active
+            return func(*args, **kwargs)
+        if func.namespace in _UNLOCKED:
+            # Collectives may block until another thread (a gloo worker, a peer rank's progress) runs:
+            # holding the lock across them could deadlock.
+            return self.sim._dispatch(func, types, args, kwargs)
+        with self.sim._lock:  # threads share the simulator's clocks, logs and memory model
+            return self.sim._dispatch(func, types, args, kwargs)
+
+
+# Key in an autograd Node's metadata: the stream its forward op ran on (absent: the default stream).
+_STREAM_TAG = "swapopt_sim_stream"
+
+
+def _tag_outputs(out: Any, stream: SimStream) -> None:
+    for t in out if isinstance(out, (tuple, list)) else (out,):
+        node = getattr(t, "grad_fn", None) if isinstance(t, torch.Tensor) else None
+        if node is None:
+            continue
+        node.metadata.setdefault(_STREAM_TAG, stream)
+        # A leaf's gradient accumulator is created with the first op that uses the leaf: same stream.
+        for nxt, _ in node.next_functions:
+            if nxt is not None and type(nxt).__name__ == "AccumulateGrad":
+                nxt.metadata.setdefault(_STREAM_TAG, stream)
+
+
+class _StreamTagMode(TorchFunctionMode):
+    """Remembers, on each autograd node made while a non-default stream is current, that stream: PyTorch runs
+    a backward op on the stream of its forward op."""
+
+    def __init__(self, sim: SimDevice) -> None:
+        super().__init__()
+        self.sim = sim
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        sim = self.sim
+        if torch.is_grad_enabled() and active() is sim:
+            stream = sim.current_stream()
+            if stream is not sim._default:
+                _tag_outputs(out, stream)
+        return out
+
+
+_ACTIVE: list[SimDevice] = []
+
+
+def active() -> SimDevice | None:
+    """The innermost active simulator, if any."""
+    return _ACTIVE[-1] if _ACTIVE else None

@@ -1,0 +1,132 @@
+"""Allocation, free, record_stream and block reuse under the caching allocator's rules."""
+
+from __future__ import annotations
+
+import torch
+
+from . import OK, RACE, program
+from .common import N, pinned, side_stream
+
+G = "allocator"
+
+
+@program(G, RACE)
+def block_from_compute_used_on_side_without_wait(sim):
+    x = torch.empty(N)  # its last user on compute may still be queued
+    side = sim.Stream()
+    with sim.stream(side):
+        x.fill_(1.0)
+
+
+@program(G, OK)
+def block_from_compute_used_on_side_after_wait(sim):
+    x = torch.empty(N)
+    side = side_stream(sim)
+    with sim.stream(side):
+        x.fill_(1.0)
+    sim.current_stream().wait_stream(side)
+    x.sum()
+
+
+@program(G, RACE)
+def free_while_side_stream_uses_it(sim):
+    staging = torch.empty(N)
+    side = side_stream(sim)
+    with sim.stream(side):
+        staging.copy_(pinned(), non_blocking=True)
+    del staging  # compute may hand the block out again while the copy runs
+
+
+@program(G, OK)
+def free_after_device_record_stream(sim):
+    import device
+
+    staging = torch.empty(N)
+    side = side_stream(sim)
+    host = pinned()
+    with sim.stream(side):
+        staging.copy_(host, non_blocking=True)
+    device.record_stream(staging, side)
+    del staging
+    sim.synchronize()
+
+
+@program(G, OK)
+def free_after_tensor_record_stream(sim):
+    staging = torch.empty(N)
+    side = side_stream(sim)
+    host = pinned()
+    with sim.stream(side):
+        staging.copy_(host, non_blocking=True)
+    staging.record_stream(side)
+    del staging
+    sim.synchronize()
+
+
+@program(G, OK)
+def free_after_compute_waits_for_side(sim):
+    staging = torch.empty(N)
+    side = side_stream(sim)
+    host = pinned()
+    with sim.stream(side):
+        staging.copy_(host, non_blocking=True)
+    sim.current_stream().wait_stream(side)
+    del staging
+    sim.synchronize()
+
+
+@program(G, OK)
+def free_after_host_synchronize(sim):
+    staging = torch.empty(N)
+    side = side_stream(sim)
+    host = pinned()
+    with sim.stream(side):
+        staging.copy_(host, non_blocking=True)
+    sim.synchronize()
+    del staging
+
+
+@program(G, OK)
+def block_allocated_and_freed_on_side(sim):
+    side = sim.Stream()
+    host = pinned()
+    with sim.stream(side):
+        staging = torch.empty(N)
+        staging.copy_(host, non_blocking=True)
+        staging.mul_(2)
+        del staging
+    sim.synchronize()
+
+
+@program(G, RACE)
+def block_allocated_on_side_read_on_compute(sim):
+    side = sim.Stream()
+    with sim.stream(side):
+        x = torch.ones(N)
+    x.sum()
+
+
+@program(G, OK)
+def per_iteration_staging_with_record_stream(sim):
+    side = sim.Stream()
+    host = pinned()
+    outs = []
+    for _ in range(3):
+        staging = torch.empty(N)
+        side.wait_stream(sim.current_stream())
+        with sim.stream(side):
+            staging.copy_(host, non_blocking=True)
+        sim.current_stream().wait_stream(side)
+        outs.append(staging * 2)
+        staging.record_stream(side)
+        del staging
+    sim.synchronize()
+
+
+@program(G, RACE)
+def resized_block_used_on_side_without_wait(sim):
+    x = torch.empty(0)
+    x.resize_(N)
+    side = sim.Stream()
+    with sim.stream(side):
+        x.fill_(2.0)
