@@ -46,10 +46,10 @@ class LayoutRow(BaseModel):
     h2d_copies: int | None = None
     d2h_copies: int | None = None
     cpu_ms: float | None = None  # CPU time of the calling thread over one step() call
-    cpu_ratio: float | None = None  # cpu_ms / the resident row's cpu_ms
     # Host CPU time of the step's own work, from the counted step: less the counter's cost and (on the
     # simulator, where the device's work runs on the host) the CPU time inside launched ops.
     host_ms: float | None = None
+    host_ratio: float | None = None  # host_ms / the resident row's host_ms
     extra_host_us_per_param: float | None = None  # (host_ms - the resident row's) per tensor, in us
     peak_extra_bytes: int | None = None
     chunk_bytes: int | None = None
@@ -168,20 +168,28 @@ def run_layout(
     resident = rows[0] if rows[0].step_ms is not None else None
     resident_ms = resident.step_ms if resident else None
     bound = bound_ms(state_bytes, state_bytes, bandwidth, resident_ms or 0.0)
-    for r in rows:
-        if r.step_ms is not None:
-            r.ratio = r.step_ms / bound
-        if r.kind == "swapopt" and resident is not None:
-            if resident.launches is not None and r.chunks is not None:
-                r.launch_target = (resident.launches + LAUNCHES_PER_CHUNK) * r.chunks + LAUNCHES_PER_STEP
-            if resident.cpu_ms and r.cpu_ms is not None:
-                r.cpu_ratio = r.cpu_ms / resident.cpu_ms
-            if resident.host_ms is not None and r.host_ms is not None:
-                r.extra_host_us_per_param = (r.host_ms - resident.host_ms) * 1e3 / shape.count
-    return LayoutResult(
+    return derive(LayoutResult(
         layout=shape.name, source=shape.source, scale=shape.scale, tensors=shape.count, numel=shape.numel,
         state_bytes=state_bytes, bandwidth=bandwidth, resident_ms=resident_ms, bound_ms=bound, rows=rows,
-    )
+    ))
+
+
+def derive(res: LayoutResult) -> LayoutResult:
+    """Fill in every figure computed from the measured ones (ratios, launch targets, host time per
+    param), so a result read back from JSON renders the same."""
+    resident = next((r for r in res.rows if r.kind == "resident"), None)
+    for r in res.rows:
+        if r.step_ms is not None:
+            r.ratio = r.step_ms / res.bound_ms
+        if r.kind != "swapopt" or resident is None:
+            continue
+        if resident.launches is not None and r.chunks is not None:
+            r.launch_target = (resident.launches + LAUNCHES_PER_CHUNK) * r.chunks + LAUNCHES_PER_STEP
+        if resident.host_ms and r.host_ms is not None:
+            r.host_ratio = r.host_ms / resident.host_ms
+        if resident.host_ms is not None and r.host_ms is not None:
+            r.extra_host_us_per_param = (r.host_ms - resident.host_ms) * 1e3 / res.tensors
+    return res
 
 
 # Step / bound targets per chunk count: the launch-bound tiny layout gets a looser one.
@@ -250,7 +258,7 @@ def layouts_markdown(results: Sequence[LayoutResult]) -> str:
         out.append("")
         out.append(
             "| strategy | chunks | step ms | step / bound | launches | target | H2D copies | D2H copies | "
-            "aten ops | host CPU ms | CPU / resident | own host ms | extra host us/param | peak extra MiB | "
+            "aten ops | host CPU ms | own host ms | own / resident | extra host us/param | peak extra MiB | "
             "cap MiB | pinned MiB | state MiB |"
         )
         out.append("|" + "---|" * 17)
@@ -260,7 +268,7 @@ def layouts_markdown(results: Sequence[LayoutResult]) -> str:
                 f"| {r.label}{' (' + r.note + ')' if r.note else ''} | {_num(r.chunks)} | "
                 f"{_num(r.step_ms, '{:.3f}')} | {_num(r.ratio, '{:.2f}')} | {_num(r.launches)} | "
                 f"{_num(r.launch_target)} | {_num(r.h2d_copies)} | {_num(r.d2h_copies)} | {_num(r.aten_ops)} | "
-                f"{_num(r.cpu_ms, '{:.1f}')} | {_num(r.cpu_ratio, '{:.1f}')} | {_num(r.host_ms, '{:.1f}')} | "
+                f"{_num(r.cpu_ms, '{:.1f}')} | {_num(r.host_ms, '{:.1f}')} | {_num(r.host_ratio, '{:.1f}')} | "
                 f"{_num(r.extra_host_us_per_param, '{:.1f}')} | {_mib(r.peak_extra_bytes)} | {_mib(r.cap_bytes)} | "
                 f"{_mib(r.pinned_bytes)} | {state} |"
             )
