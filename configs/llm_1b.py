@@ -3,6 +3,11 @@
 # stay on the device (8 GB); the 8 GB of AdamW states live in pinned host memory and stream through in
 # 16 chunks per step. Single device: python -m swapopt.train configs/llm_1b.py
 # 8 devices, FSDP2 with bf16 compute: torchrun --nproc-per-node 8 -m swapopt.train configs/llm_1b.py
+# Without a GPU/NPU it runs on the simulator, where device memory is host memory: the full size needs about
+# 20 GB of host RAM and minutes per step (the job prints its estimate first and refuses what will not fit;
+# train.host_ram_check=false overrides). The same architecture scaled down runs in a few minutes on 2 cores:
+#   python -m swapopt.train configs/llm_1b.py --cfg-options model.dim=512 model.n_heads=8 model.ffn_dim=1408 \
+#       model.n_layers=4 train.seq_len=128 train.steps=20 train.checkpoint_interval=10
 model = dict(dim=2048, n_layers=20, n_heads=16, ffn_dim=5632, max_seq_len=2048)
 data = dict(path=None)
 optim = dict(
@@ -27,5 +32,5 @@ train = dict(
     checkpoint_interval=200,
     metrics_path="work_dirs/llm_1b/metrics.jsonl",
     log_interval=10,
-    sim_preset="h100",  # without an accelerator the simulator stands in (slow on CPU: reduce steps)
+    sim_preset="h100",  # without an accelerator the simulator stands in (slow on CPU: see the overrides above)
 )

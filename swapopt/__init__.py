@@ -6,6 +6,7 @@ Public API:
     swap_class             class form of any supported torch.optim optimizer class
     SwapConfig             pydantic config; ``SwapConfig(swap_optimizer=True).wrap(opt)``
     SwapOptimizerOperate   the transfer engine (streams, staging slots, per-param events)
+    register_per_param     vouch that a third-party optimizer is per-param (so it may be swapped)
     offload / onload       RL phase hooks (free staging memory / resume training)
     put_optimizer_to_device  XTuner-style helper: False for a SwapOptimizer
 """
@@ -17,6 +18,7 @@ from swapopt.config import SwapConfig
 from swapopt.offload import offload, offloaded, onload, put_optimizer_to_device
 from swapopt.operate import SwapOptimizerOperate
 from swapopt.optimizer import SwapOptimizer
+from swapopt.perparam import register_per_param
 
 # A library stays quiet unless the application asks; the CLI calls logger.enable("swapopt").
 logger.disable("swapopt")
@@ -31,6 +33,7 @@ __all__ = [
     "offloaded",
     "onload",
     "put_optimizer_to_device",
+    "register_per_param",
     "swap_class",
 ]
 __version__ = "0.1.0"

@@ -15,6 +15,8 @@ class SwapConfig(BaseModel):
     ``chunk_mb``: byte budget per chunk (MiB); overrides ``swap_optimizer_times`` when set.
     ``slots``: staging buffers on the device (3: one filling, one computing, one draining).
     ``resident_mb``: states that fit this budget (MiB) stay on the device and are stepped first.
+    ``per_param``: vouch that an optimizer from outside torch.optim keeps per-param state and reads no
+    other param in its update (see swapopt.register_per_param); torch's own optimizers need no vouching.
     """
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -24,6 +26,7 @@ class SwapConfig(BaseModel):
     chunk_mb: Optional[float] = Field(default=None, gt=0)
     slots: int = Field(default=3, ge=1)
     resident_mb: float = Field(default=0.0, ge=0)
+    per_param: bool = False
 
     def wrap(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Return ``optimizer`` wrapped in a SwapOptimizer, or unchanged when swapping is off."""
@@ -39,4 +42,5 @@ class SwapConfig(BaseModel):
             chunk_mb=self.chunk_mb,
             slots=self.slots,
             resident_mb=self.resident_mb,
+            per_param=self.per_param,
         )

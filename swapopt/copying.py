@@ -30,6 +30,7 @@ def getstate(opt: Any) -> dict[str, Any]:
         "chunk_mb": opt.chunk_mb,
         "slots": opt.operate.slots,
         "resident_mb": opt.resident_mb,
+        "per_param": opt.per_param,
         "stats": opt._stats.model_dump(),
         # Device scalars an offload moved to the host: the copy moves its own back at onload or its next step.
         "offloaded": [(p, key, str(dev)) for (p, key), dev in offloaded_scalars(opt).items()],
@@ -52,6 +53,7 @@ def setstate(opt: Any, state: dict[str, Any]) -> None:
         chunk_mb=state["chunk_mb"],
         slots=state["slots"],
         resident_mb=state["resident_mb"],
+        per_param=state.get("per_param", False),
     )
     opt._stats = type(opt._stats).model_validate(state["stats"])
     remember_offloaded(opt, {(p, key): torch.device(dev) for p, key, dev in state.get("offloaded", ())})

@@ -3,23 +3,24 @@
 from __future__ import annotations
 
 import inspect
+import math
 from typing import Any
 
 import torch
 
 import device
+from swapopt.perparam import TORCH_ELEMENTWISE
 
 try:  # torch.distributed may be absent on some builds
     from torch.distributed.tensor import DTensor
 except Exception:  # pragma: no cover - builds without distributed
     DTensor = None  # type: ignore[assignment,misc]
 
-# Optimizers whose every non-scalar state has the param's shape and whose update of an element reads
-# only that element: one param may be split across chunks and stepped as flat pieces.
+# torch's optimizers whose every non-scalar state has the param's shape and whose update of an element
+# reads only that element: one param may be split across chunks and stepped as flat pieces (the list
+# lives in swapopt.perparam, with the registry for third-party ones).
 ELEMENTWISE: tuple[type, ...] = tuple(
-    getattr(torch.optim, name)
-    for name in ("Adam", "AdamW", "SGD", "Adagrad", "RMSprop", "Adamax", "NAdam", "RAdam", "ASGD", "Rprop", "Adadelta")
-    if hasattr(torch.optim, name)
+    getattr(torch.optim, name) for name in TORCH_ELEMENTWISE if hasattr(torch.optim, name)
 )
 
 # Per-param scalar bookkeeping that torch optimizers keep as 0-dim tensors next to the big states:
@@ -54,11 +55,85 @@ def wrap_like(ref: torch.Tensor, host_local: torch.Tensor) -> torch.Tensor:
     )
 
 
+def is_dense(t: torch.Tensor) -> bool:
+    """Whether t's elements fill one storage range without gaps or overlaps (any dim order)."""
+    expected = 1
+    for size, stride in sorted(((s, st) for s, st in zip(t.shape, t.stride()) if s != 1), key=lambda x: x[1]):
+        if size == 0:
+            return True
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def layout_strides(t: torch.Tensor) -> tuple[int, ...]:
+    """The strides torch gives ``empty_like(t)`` (preserve_format): t's own when dense, else contiguous.
+    Fused kernels pair param, grad and state elements by memory position, so states keep this layout."""
+    if is_dense(t):
+        return tuple(t.stride())
+    strides, acc = [], 1
+    for size in reversed(t.shape):
+        strides.append(acc)
+        acc *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same shape, both dense, same memory order: flat memory-order ranges of both pair element by element."""
+    if a.shape != b.shape or not (is_dense(a) and is_dense(b)):
+        return False
+    return all(sa == sb for n, sa, sb in zip(a.shape, a.stride(), b.stride()) if n > 1)
+
+
+def flat_view(t: torch.Tensor) -> torch.Tensor:
+    """A 1-D view of a dense tensor in memory (storage) order, not logical order."""
+    return t.as_strided((t.numel(),), (1,), t.storage_offset())
+
+
+def pinned_like(shape: tuple[int, ...], strides: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Pinned host memory with the given shape and dense strides."""
+    numel = math.prod(shape)
+    return device.pinned_empty((numel,), dtype=dtype).as_strided(shape, strides)
+
+
+def gather_range(dst: torch.Tensor, src: torch.Tensor, start: int, stop: int) -> None:
+    """Copy elements [start, stop) of ``src`` in row-major order into the 1-D ``dst``, without
+    materializing ``src`` whole: a few strided copies of whole sub-blocks plus the ragged ends."""
+    if stop <= start:
+        return
+    if src.dim() == 0:
+        dst.copy_(src.reshape(1))
+        return
+    inner = math.prod(src.shape[1:])
+    i0, r0 = divmod(start, inner)
+    i1, r1 = divmod(stop, inner)
+    if i0 == i1:
+        gather_range(dst, src[i0], r0, r1)
+        return
+    pos = 0
+    if r0:
+        pos = inner - r0
+        gather_range(dst[:pos], src[i0], r0, inner)
+        i0 += 1
+    if i1 > i0:
+        n = (i1 - i0) * inner
+        dst[pos : pos + n].view((i1 - i0, *src.shape[1:])).copy_(src[i0:i1])
+        pos += n
+    if r1:
+        gather_range(dst[pos:], src[i1], 0, r1)
+
+
+def memory_order(t: torch.Tensor) -> tuple[int, ...]:
+    """Dim permutation that makes dense ``t`` contiguous (outermost dim first)."""
+    return tuple(sorted(range(t.dim()), key=lambda d: (-t.stride(d), d)))
+
+
 def new_host_like(param: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Pinned host memory for one param-shaped state of ``param``, wrapped like the param (a DTensor
-    over the host shard for DTensor params)."""
+    """Pinned host memory for one param-shaped state of ``param`` with the param's dense layout, wrapped
+    like the param (a DTensor over the host shard for DTensor params)."""
     loc = local(param)
-    return wrap_like(param, device.pinned_empty(tuple(loc.shape), dtype=dtype or loc.dtype))
+    return wrap_like(param, pinned_like(tuple(loc.shape), layout_strides(loc), dtype or loc.dtype))
 
 
 def is_swapped_state(param: torch.Tensor, key: str, value: Any) -> bool:
@@ -81,9 +156,12 @@ def _constructor_kwargs(cls: type, defaults: dict) -> dict:
     return {k: v for k, v in defaults.items() if k in params}
 
 
-def probe_elem_bytes(optimizer: torch.optim.Optimizer, group: dict, param: torch.Tensor, step_fn) -> int | None:
-    """Swapped state bytes per param element, found by stepping a throwaway optimizer of the same class
-    and hyperparameters once over a tiny param of the same dtype, ndim and device.
+def probe_states(
+    optimizer: torch.optim.Optimizer, group: dict, param: torch.Tensor, step_fn
+) -> tuple[int, tuple[tuple[str, torch.dtype, bool], ...]] | None:
+    """Swapped state bytes per param element and the swapped states' (key, dtype, shaped like the
+    param), found by stepping a throwaway optimizer of the same class and hyperparameters once over a
+    tiny param of the same dtype, ndim and device.
 
     Returns None when the probe cannot run (a constructor with required arguments, say); the caller
     then estimates. ``step_fn`` is the class's step without the Optimizer hook wrapper, so global step
@@ -99,5 +177,7 @@ def probe_elem_bytes(optimizer: torch.optim.Optimizer, group: dict, param: torch
         step_fn(probe)
     except Exception:  # noqa: BLE001 - any failure only means "unknown"
         return None
-    nbytes = sum(state_nbytes(v) for k, v in probe.state[tiny].items() if is_swapped_state(tiny, k, v))
-    return -(-nbytes // tiny.numel())
+    swapped = [(k, v) for k, v in probe.state[tiny].items() if is_swapped_state(tiny, k, v)]
+    nbytes = sum(state_nbytes(v) for _, v in swapped)
+    spec = tuple((k, v.dtype, tuple(v.shape) == tuple(tiny.shape)) for k, v in swapped)
+    return -(-nbytes // tiny.numel()), spec

@@ -47,6 +47,7 @@ class SwapOptimizerOperate:
         self._last_d2h: Any = None
         self._start: Any = None
         self._end: Any = None
+        self._pending_start: Any = None  # the running step's start event
         self._swap_in: dict[torch.Tensor, Any] = {}
         self._update: dict[torch.Tensor, Any] = {}
         self._swap_out: dict[torch.Tensor, Any] = {}
@@ -82,6 +83,10 @@ class SwapOptimizerOperate:
         return self._d2h
 
     # ----- one step --------------------------------------------------------------------------
+    def begin_step(self) -> None:
+        """A step starts: the last finished step's timing events stay what step_ms() reports."""
+        self._pending_start = None
+
     def begin(self, n_chunks: int, slot_bytes: int, dev: torch.device) -> None:
         """Allocate staging on the compute stream and mark the step's entry on it: no swap-in starts
         before the compute stream reaches this point (the end of backward, typically)."""
@@ -98,10 +103,10 @@ class SwapOptimizerOperate:
         self.h2d_events = [None] * n_chunks
         self.update_events = [None] * n_chunks
         self.d2h_events = [None] * n_chunks
-        self._start = mod.Event(enable_timing=True)
-        self._start.record(self._compute)
+        start = self._pending_start = mod.Event(enable_timing=True)
+        start.record(self._compute)
         h2d = self.h2d_stream
-        h2d.wait_event(self._start)
+        h2d.wait_event(start)
         if self._last_d2h is not None:  # host states the last step wrote are read again now
             h2d.wait_event(self._last_d2h)
 
@@ -160,8 +165,10 @@ class SwapOptimizerOperate:
         """End the step without waiting: staging and held tensors are released stream-safely (the
         allocator reuses them only after the D2H stream's queued copies), per-param events recorded."""
         d2h = self.d2h_stream
-        self._end = self.mod.Event(enable_timing=True)
-        self._end.record(d2h)
+        end = self.mod.Event(enable_timing=True)
+        end.record(d2h)
+        # only a finished step's events are paired: a failed step never pairs with an older end
+        self._start, self._end, self._pending_start = self._pending_start, end, None
         for t in self._staging:
             device.record_stream(t, d2h)
         for held in self._held:

@@ -4,14 +4,15 @@ step() streams the states through the device in chunks (see swapopt.operate for 
 choreography, swapopt.plan for the chunking) and runs the wrapped optimizer's own step on each chunk,
 so the update is bitwise the one the unwrapped optimizer computes.
 
-A failing step leaves each param fully stepped or untouched (see _swap_step's failure path): a param
-split across chunks whose update began before the failing chunk is completed by rolling it forward
-through a synchronous recovery path, so the normal path keeps no backups.
+A failing step leaves each param fully stepped or untouched (Note [failure semantics], swapopt.recovery): a
+param split across chunks whose update began before the failing chunk is completed by rolling it
+forward through a synchronous recovery path, so the normal path keeps no backups.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
@@ -21,13 +22,14 @@ from loguru import logger
 from pydantic import BaseModel
 
 import device
-from swapopt import checkpoint, copying, hoststate
-from swapopt.hoststate import ELEMENTWISE, is_swapped_state, local, new_host_like, wrap_like
+from swapopt import checkpoint, copying, hoststate, perparam, recovery
+from swapopt.hoststate import is_swapped_state, local, new_host_like, wrap_like
 from swapopt.operate import SwapOptimizerOperate
-from swapopt.plan import DEFAULT_ALIGN, ParamSize, Plan, make_plan
+from swapopt.plan import DEFAULT_ALIGN, SLOT_ALIGN as _SLOT_ALIGN, ParamSize, Plan, make_plan
 
 MiB = 1 << 20
-_SLOT_ALIGN = 64  # bytes; every slot region starts on a cache line (and a 16-byte vector boundary)
+_GRAD = "\0grad"  # region key of a grad gathered into the slot (no state key can collide with it)
+
 
 class SwapStats(BaseModel):
     """Counters of the last step (``steps`` counts all swapped steps)."""
@@ -38,6 +40,8 @@ class SwapStats(BaseModel):
     peak_staging_bytes: int = 0
     step_ms: float | None = None
     steps: int = 0
+    failed: bool = False  # the last step raised; the counters are those of the last successful step
+    last_error: str | None = None
 
 
 def _raw_step(optimizer: torch.optim.Optimizer) -> Callable[..., Any]:
@@ -46,7 +50,7 @@ def _raw_step(optimizer: torch.optim.Optimizer) -> Callable[..., Any]:
     return getattr(fn, "__wrapped__", fn) if getattr(fn, "hooked", False) else fn
 
 
-def _refuse(optimizer: Any) -> None:
+def _refuse(optimizer: Any, per_param: bool) -> None:
     """Raise for optimizers whose state cannot be chunked and swapped, saying what to use instead."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(
@@ -77,7 +81,7 @@ def _refuse(optimizer: Any) -> None:
                 f"param group {i} has differentiable=True: its states carry autograd history through the "
                 "step, which host copies cannot; use differentiable=False to swap, or run it unwrapped"
             )
-    if not isinstance(optimizer, ELEMENTWISE) and cls.__module__.split(".")[0] != "torch":
+    if not perparam.is_elementwise(cls) and cls.__module__.split(".")[0] != "torch":
         seen: dict[int, torch.Tensor] = {}
         for group in optimizer.param_groups:
             for p in group["params"]:
@@ -92,6 +96,15 @@ def _refuse(optimizer: Any) -> None:
                         "optimizer whose state cannot be chunked per param; use a per-param optimizer such as "
                         "torch.optim.AdamW under SwapOptimizer"
                     )
+    if not per_param and not perparam.is_per_param(cls):
+        raise ValueError(
+            f"{cls.__module__}.{cls.__qualname__} is not known to be a per-param optimizer. SwapOptimizer runs "
+            "it once per chunk of params with a copy of each param group, which is exact only if each param's "
+            "update reads nothing but that param, its grad, its own state and the group's hyperparameters, and "
+            "step writes no group-level value (a LAMB-style global norm or group['step'] counter breaks this). "
+            "If it is per-param, opt in with SwapOptimizer(optimizer, per_param=True) or "
+            "swapopt.register_per_param(cls); otherwise run it unwrapped"
+        )
 
 
 @dataclass(eq=False)
@@ -114,8 +127,9 @@ class _Region:
     nbytes: int
     dtype: torch.dtype
     shape: tuple[int, ...] | None  # None: a flat piece; else the whole state's local shape
-    host: torch.Tensor  # host-local view the region mirrors (the swap-in reads it)
+    host: torch.Tensor | None  # host-local view the region mirrors (the swap-in reads it); None: a gathered grad
     layout: torch.Tensor | None  # DTensor whose layout wraps the slot view (non-flat DTensor states)
+    stride: tuple[int, ...] | None  # the host state's strides (non-flat states keep their dense layout)
 
 
 @dataclass(eq=False)
@@ -138,7 +152,8 @@ class SwapOptimizer(torch.optim.Optimizer):
 
     ``swap_optimizer_times``: chunks per step; ``chunk_mb``: fixed chunk budget (MiB), overrides it;
     ``slots``: staging buffers (3 lets swap-in, update and swap-out overlap); ``resident_mb``: states
-    that fit stay on the device and are stepped first. param_groups, state and defaults are the
+    that fit stay on the device and are stepped first; ``per_param``: vouch that an optimizer from
+    outside torch.optim is per-param (see swapopt.perparam), so it is accepted. param_groups, state and defaults are the
     wrapped optimizer's own objects.
     """
 
@@ -150,8 +165,9 @@ class SwapOptimizer(torch.optim.Optimizer):
         chunk_mb: float | None = None,
         slots: int = 3,
         resident_mb: float = 0.0,
+        per_param: bool = False,
     ) -> None:
-        _refuse(optimizer)
+        _refuse(optimizer, per_param)
         if not isinstance(swap_optimizer_times, int) or swap_optimizer_times < 1:
             raise ValueError(f"swap_optimizer_times must be an int >= 1, got {swap_optimizer_times!r}")
         if not isinstance(slots, int) or slots < 1:
@@ -164,6 +180,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         self.swap_optimizer_times = swap_optimizer_times
         self.chunk_mb = chunk_mb
         self.resident_mb = float(resident_mb)
+        self.per_param = bool(per_param)  # a copy (deepcopy, pickle) must be accepted as the original was
         self._ready = False
         # Optimizer.__init__ sets up hooks and the step wrapper; it gets copies of the groups, then the
         # wrapper takes the inner optimizer's own objects so schedulers, clipping and DCP see one truth.
@@ -172,7 +189,8 @@ class SwapOptimizer(torch.optim.Optimizer):
         self.state = optimizer.state
         self.defaults = optimizer.defaults
         self.operate = SwapOptimizerOperate(slots)
-        self._elementwise = type(optimizer) in ELEMENTWISE
+        self._elementwise = perparam.is_elementwise(type(optimizer))
+        self._pre_hosts: dict[torch.Tensor, dict[str, torch.Tensor]] = {}  # see _preallocate
         self._step_fn = _raw_step(optimizer)
         self._host: dict[torch.Tensor, _Host] = {}
         self._prepared: _Prepared | None = None
@@ -250,7 +268,8 @@ class SwapOptimizer(torch.optim.Optimizer):
         self._version += 1
 
     def swap_stats(self) -> SwapStats:
-        """Counters of the last step; step_ms waits for that step's last swap-out."""
+        """Counters of the last successful step (step_ms waits for its last swap-out); ``failed`` and
+        ``last_error`` say whether the step after it raised."""
         stats = self._stats.model_copy()
         if stats.steps:
             stats.step_ms = self.operate.step_ms()
@@ -281,6 +300,11 @@ class SwapOptimizer(torch.optim.Optimizer):
             if mode == "cpu":
                 if "cpu" not in self._warned:
                     self._warned.add("cpu")
+                    warnings.warn(
+                        f"swapopt: no accelerator or simulator is active, so SwapOptimizer steps "
+                        f"{type(inner).__name__} in place and its states stay where torch puts them",
+                        stacklevel=4,  # past torch's no_grad and step-hook wrappers: the caller of step()
+                    )
                     logger.info("swapopt: no accelerator, stepping {} in place", type(inner).__name__)
                 self._step_fn(inner, *args, **kwargs)
             else:
@@ -294,40 +318,66 @@ class SwapOptimizer(torch.optim.Optimizer):
             inner._opt_called = True  # a scheduler built on the inner optimizer counts this step
         return loss
 
-    def _active(self) -> tuple[list[torch.Tensor], list[int]]:
-        """Params with a grad, in group order, each once (tied params are stepped once)."""
+    def _active(self) -> tuple[list[torch.Tensor], list[int], dict[int, list[torch.Tensor]]]:
+        """Params with a grad, in group order, each once (tied params are stepped once): those to swap
+        with their group indices, and those stepped in place by group (params outside device memory
+        need no swapping; meta params get torch's own errors)."""
         params: list[torch.Tensor] = []
         groups: list[int] = []
+        in_place: dict[int, list[torch.Tensor]] = defaultdict(list)
         seen: set[int] = set()
         for gi, group in enumerate(self.param_groups):
-            for p in group["params"]:
+            for j, p in enumerate(group["params"]):
                 if p.grad is None or id(p) in seen:
                     continue
                 if p.grad.is_sparse:
-                    raise RuntimeError("SwapOptimizer does not support sparse gradients")
+                    raise RuntimeError(
+                        f"SwapOptimizer does not support sparse gradients (param_groups[{gi}]['params'][{j}] has "
+                        f"one), whatever the optimizer: use torch.optim.SparseAdam unwrapped for sparse "
+                        "gradients, or make them dense (e.g. nn.Embedding(..., sparse=False))"
+                    )
                 seen.add(id(p))
-                params.append(p)
-                groups.append(gi)
-        return params, groups
+                if p.device.type == "meta" or device.is_host_tensor(p):
+                    in_place[gi].append(p)
+                else:
+                    params.append(p)
+                    groups.append(gi)
+        return params, groups, in_place
 
     def _swap_step(self, args: tuple, kwargs: dict) -> None:
         if args:
             raise TypeError("SwapOptimizer.step takes the closure and keyword arguments only")
-        params, groups = self._active()
+        params, groups, in_place = self._active()
+        if in_place:
+            if "host" not in self._warned:
+                self._warned.add("host")
+                logger.info("swapopt: params outside device memory are stepped in place, without swapping")
+            chunk_state = self._real_states([p for ps in in_place.values() for p in ps])
+            self._run_inner(dict(in_place), chunk_state, kwargs)
+            self._keep_new_states(chunk_state)
         if not params:
             return
         mod = device.get_torch_device_module(self._device)
         self.operate.bind(mod)
-        prep = self._prepare(params, groups)
+        self.operate.begin_step()  # swap_stats() must not pair this step's start with an older end
+        try:
+            prep = self._prepare(params, groups)
+            # States this step creates get their pinned host memory before any param is touched, so a
+            # failing allocation leaves every param untouched (Note [failure semantics]).
+            self._pre_hosts = self._preallocate(prep)
+        except BaseException as exc:
+            self._failed(exc)
+            raise
         op, plan = self.operate, prep.plan
         n = len(plan.chunks)
-        op.begin(n, prep.slot_bytes, device.torch_device(self._device))
         pending: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
         views: list[list[dict[str, tuple]] | None] = [None] * n
-        progress: dict[str, int] = {}  # "entered": the last chunk the inner optimizer was entered for
+        # progress["stage"]: (stage, k) of the chunk being worked on; progress["chunk"]: what completing
+        # chunk k needs once its inner update returned (see Note [failure semantics]).
+        progress: dict[str, Any] = {"stage": ("done", -1)}
         h2d = d2h = 0
-        k = 0
         try:
+            op.begin(n, prep.slot_bytes, device.torch_device(self._device))
             lookahead = op.nslots - 1
             for j in range(min(lookahead, n)):
                 views[j], b = self._swap_in(prep, j)
@@ -340,26 +390,18 @@ class SwapOptimizer(torch.optim.Optimizer):
                     h2d += b
                 d2h += self._update_and_swap_out(prep, k, views[k], pending, kwargs, progress)
                 views[k] = None
-        except BaseException:
-            # Chunks before k are stepped and their swap-outs queued; chunk k's swap-out was not (unless
-            # queuing it is what raised), so its host states are the old ones, and scalar states are only
-            # ever written for a param's last piece. Drain every stream, then complete the param split
-            # across the boundary into chunk k (if any) and drop the states created for params that were
-            # not completed. Params only in chunk k or later keep their old host and scalar states. Their
-            # values are old too unless the exception came from inside (or after) the inner optimizer's
-            # update of chunk k: it updates params in place and may have written some before raising
-            # (AdamW's weight decay comes first, say); nothing here can tell, and restoring them would
-            # need a copy of every param piece each step, the cost this path exists to avoid.
+            op.finish(prep.last_chunk)
+        except BaseException as exc:  # Note [failure semantics]
             views.clear()
-            op.drain()
-            try:
-                self._roll_forward(prep, k, progress.get("entered") == k, pending, kwargs)
-            except Exception:  # noqa: BLE001 - never mask the original exception
-                logger.exception("swapopt: completing split params after a failed step raised")
+            recovery.recover(self, prep, progress, pending, kwargs)
             pending.clear()
+            progress.clear()
+            self._pre_hosts = {}
             op.release_staging()
+            recovery.drop_frames(exc)
+            self._failed(exc)
             raise
-        op.finish(prep.last_chunk)
+        self._pre_hosts = {}
         st = self._stats
         first = st.steps == 0
         self._stats = SwapStats(
@@ -369,6 +411,24 @@ class SwapOptimizer(torch.optim.Optimizer):
             "swapopt step {}: {} chunks, H2D {:.1f} MiB, D2H {:.1f} MiB, staging {:.1f} MiB, {} resident params",
             st.steps + 1, n, h2d / MiB, d2h / MiB, op.peak_staging_bytes / MiB, len(prep.resident),
         )  # fmt: skip
+
+    def _failed(self, exc: BaseException) -> None:
+        """swap_stats() keeps the last successful step's counters and says the last step failed."""
+        self._stats = self._stats.model_copy(update={"failed": True, "last_error": repr(exc)})
+
+    def _real_states(self, params: Iterable[torch.Tensor]) -> defaultdict:
+        """A state mapping over the real per-param dicts, without creating entries torch would not."""
+        chunk_state: defaultdict = defaultdict(dict)
+        for p in params:
+            if p in self.state:
+                chunk_state[p] = self.state[p]
+        return chunk_state
+
+    def _keep_new_states(self, chunk_state: dict) -> None:
+        """Entries the inner optimizer created in a mapping from _real_states become real ones."""
+        for p, st in chunk_state.items():
+            if p not in self.state:
+                self.state[p] = st
 
     # ----- host state bookkeeping --------------------------------------------------------------
     def _adopt_existing(self) -> None:
@@ -388,7 +448,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         for key, value in list(st.items()):
             if not is_swapped_state(p, key, value):
                 continue
-            if not device.is_host_tensor(value) or not local(value).is_contiguous():
+            if not device.is_host_tensor(value) or not hoststate.is_dense(local(value)):
                 if not quiet and not device.is_host_tensor(value) and "rehome" not in self._warned:
                     self._warned.add("rehome")
                     logger.warning(
@@ -398,8 +458,9 @@ class SwapOptimizer(torch.optim.Optimizer):
                     )
                 src = local(value)
                 home = previous.get(key)  # the pinned tensor it came from, when it still fits
-                if home is None or local(home).shape != src.shape or local(home).dtype != src.dtype:
-                    home = wrap_like(value, device.pinned_empty(tuple(src.shape), dtype=src.dtype))
+                strides = hoststate.layout_strides(src)
+                if home is None or not hoststate.same_layout(local(home), src) or local(home).dtype != src.dtype:
+                    home = wrap_like(value, hoststate.pinned_like(tuple(src.shape), strides, src.dtype))
                 self.operate.wait_for_swap_out([p])
                 local(home).copy_(src)
                 value = st[key] = home
@@ -427,22 +488,39 @@ class SwapOptimizer(torch.optim.Optimizer):
         for key, value in list(st.items()):
             if is_swapped_state(p, key, value) and device.is_host_tensor(value):
                 src = local(value)
-                dst = torch.empty(src.shape, dtype=src.dtype, device=dev)
+                dst = torch.empty_strided(src.shape, hoststate.layout_strides(src), dtype=src.dtype, device=dev)
                 dst.copy_(src)
                 st[key] = wrap_like(value, dst)
         self._host.pop(p, None)
 
     # ----- planning ----------------------------------------------------------------------------
+    def _splittable(self, p: torch.Tensor) -> bool:
+        """p may be cut into flat pieces in memory order: an element-wise optimizer, a dense param and
+        host states laid out like it (so the same flat range of each pairs the same elements)."""
+        loc = local(p)
+        if not (self._elementwise and hoststate.is_dense(loc)):
+            return False
+        entry = self._host.get(p)
+        return entry is None or all(hoststate.same_layout(t, loc) for t in entry.locals)
+
     def _prepare(self, params: list[torch.Tensor], groups: list[int]) -> _Prepared:
         for p in params:  # resident params keep device states: nothing to check for them
             if p not in self._resident and not self._check_host(p):
                 self._cache_host(p)
-        key = (tuple(map(id, params)), tuple(groups), self._version)
+        flat = [self._splittable(p) for p in params]
+        # A grad laid out unlike its split param is gathered piece by piece into the slot (never whole).
+        gather = [f and not hoststate.same_layout(local(p.grad), local(p)) for p, f in zip(params, flat)]
+        key = (tuple(map(id, params)), tuple(groups), tuple(gather), self._version)
         if self._prepared is not None and self._prepared.key == key:
             return self._prepared
         dev = device.torch_device(self._device)
-        flat = [self._elementwise and local(p).is_contiguous() for p in params]
-        sizes = [ParamSize(i, local(p).numel(), self._state_bytes(p, groups[i]), flat[i]) for i, p in enumerate(params)]
+        sizes = []
+        for i, p in enumerate(params):
+            nbytes, regions = self._state_bytes(p, groups[i])
+            if gather[i]:
+                nbytes += local(p).numel() * p.grad.element_size()
+                regions += 1
+            sizes.append(ParamSize(i, local(p).numel(), nbytes, flat[i], regions))
         chunk_bytes = None if self.chunk_mb is None else int(self.chunk_mb * MiB)
         plan = make_plan(
             sizes,
@@ -458,10 +536,10 @@ class SwapOptimizer(torch.optim.Optimizer):
         for i in range(len(params)):  # a param that left the resident set goes back to the host
             if i not in plan.resident and params[i] not in self._host and self.state.get(params[i]):
                 self._cache_host(params[i], quiet=True)
-        regions = [self._regions(chunk.pieces, params, flat) for chunk in plan.chunks]
+        regions = [self._regions(chunk.pieces, params, flat, gather) for chunk in plan.chunks]
         slot_bytes = max((r[-1].offset + r[-1].nbytes for r in regions if r), default=0)
         last_chunk = {params[i]: k for i, k in plan.last_chunk.items()}
-        key = (tuple(map(id, params)), tuple(groups), self._version)
+        key = (tuple(map(id, params)), tuple(groups), tuple(gather), self._version)
         self._prepared = _Prepared(key, params, groups, flat, plan, regions, slot_bytes, resident, last_chunk)
         logger.debug(
             "swapopt plan: {} params, {} chunks, budget {:.2f} MiB, slot {:.2f} MiB, {} resident",
@@ -469,47 +547,85 @@ class SwapOptimizer(torch.optim.Optimizer):
         )  # fmt: skip
         return self._prepared
 
-    def _state_bytes(self, p: torch.Tensor, gi: int) -> int:
-        """Swapped state bytes of p: exact once it has states, probed (or guessed) before."""
-        entry = self._host.get(p)
-        if entry is not None:
-            return entry.nbytes
-        if self.state.get(p):  # resident: states already on the device
-            return sum(hoststate.state_nbytes(v) for k, v in self.state[p].items() if is_swapped_state(p, k, v))
+    def _probe(self, p: torch.Tensor, gi: int) -> tuple[int, tuple] | None:
         loc = local(p)
         key = (gi, loc.dtype, loc.dim(), loc.device.type)
         if key not in self._probe_cache:
-            probed = hoststate.probe_elem_bytes(self.optimizer, self.param_groups[gi], p, self._step_fn)
-            if probed is None:  # Adam-like guess: two states of the param's dtype
-                probed = 2 * loc.element_size()
-                name = type(self.optimizer).__name__
-                logger.debug("swapopt: could not probe {}; assuming {} state bytes per element", name, probed)
-            self._probe_cache[key] = probed
-        return loc.numel() * self._probe_cache[key]
+            self._probe_cache[key] = hoststate.probe_states(self.optimizer, self.param_groups[gi], p, self._step_fn)
+        return self._probe_cache[key]
 
-    def _regions(self, pieces, params: list[torch.Tensor], flat: list[bool]) -> list[_Region]:
-        """Slot layout of one chunk: one region per (piece, host state), in piece order."""
+    def _state_bytes(self, p: torch.Tensor, gi: int) -> tuple[int, int]:
+        """Swapped state bytes of p and their count: exact once it has states, probed (or guessed) before."""
+        entry = self._host.get(p)
+        if entry is not None:
+            return entry.nbytes, len(entry.keys)
+        if self.state.get(p):  # resident: states already on the device
+            swapped = [v for k, v in self.state[p].items() if is_swapped_state(p, k, v)]
+            return sum(hoststate.state_nbytes(v) for v in swapped), len(swapped)
+        loc = local(p)
+        probed = self._probe(p, gi)
+        if probed is None:  # Adam-like guess: two states of the param's dtype
+            name = type(self.optimizer).__name__
+            logger.debug("swapopt: could not probe {}; assuming two param-like states", name)
+            return loc.numel() * 2 * loc.element_size(), 2
+        return loc.numel() * probed[0], len(probed[1])
+
+    def _preallocate(self, prep: _Prepared) -> dict[torch.Tensor, dict[str, torch.Tensor]]:
+        """Pinned host tensors for the param-shaped states an element-wise optimizer will create this
+        step for params that have none yet (known from the probe)."""
+        out: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
+        if not self._elementwise:
+            return out
+        for i, p in enumerate(prep.params):
+            if p in self._host or p in self._resident or self.state.get(p):
+                continue
+            probed = self._probe(p, prep.groups[i])
+            if probed is None:
+                continue
+            out[p] = {key: new_host_like(p, dtype) for key, dtype, shaped in probed[1] if shaped}
+        return out
+
+    def _regions(self, pieces, params: list[torch.Tensor], flat: list[bool], gather: list[bool]) -> list[_Region]:
+        """Slot layout of one chunk: one region per (piece, host state), in piece order, plus one for
+        the gathered grad of a piece whose grad is laid out unlike its param."""
         regions: list[_Region] = []
         offset = 0
+
+        def add(r: _Region) -> None:
+            nonlocal offset
+            regions.append(r)
+            offset += -(-r.nbytes // _SLOT_ALIGN) * _SLOT_ALIGN
+
         for pos, piece in enumerate(pieces):
             p = params[piece.index]
             entry = self._host.get(p)
-            if entry is None:
-                continue
-            for key, stored, loc in zip(entry.keys, entry.stored, entry.locals):
+            for key, stored, loc in zip(entry.keys, entry.stored, entry.locals) if entry is not None else ():
                 if flat[piece.index]:
-                    host = loc.view(-1)[piece.start : piece.stop]
-                    shape, layout = None, None
+                    host = hoststate.flat_view(loc)[piece.start : piece.stop]
+                    shape, stride, layout = None, None, None
                 else:
                     host = loc
-                    shape = tuple(loc.shape)
+                    shape, stride = tuple(loc.shape), tuple(loc.stride())
                     layout = stored if hoststate.is_dtensor(stored) else None
                 nbytes = host.numel() * host.element_size()
-                regions.append(_Region(pos, key, offset, nbytes, host.dtype, shape, host, layout))
-                offset += -(-nbytes // _SLOT_ALIGN) * _SLOT_ALIGN
+                add(_Region(pos, key, offset, nbytes, host.dtype, shape, host, layout, stride))
+            if gather[piece.index]:
+                g = p.grad
+                add(_Region(pos, _GRAD, offset, piece.numel * g.element_size(), g.dtype, None, None, None, None))
         return regions
 
     # ----- pipeline stages ---------------------------------------------------------------------
+    def _region_view(self, r: _Region, slot: torch.Tensor | None) -> torch.Tensor:
+        """The slot memory of region r, typed and laid out like the host tensor it mirrors."""
+        if slot is None or r.nbytes == 0:  # nothing to stage (zero-element states): an empty tensor
+            shape = r.shape if r.shape is not None else (0,)
+            stride = r.stride if r.stride is not None else (1,)
+            return torch.empty_strided(shape, stride, dtype=r.dtype, device=device.torch_device(self._device))
+        v = slot[r.offset : r.offset + r.nbytes].view(r.dtype)
+        if r.shape is not None:
+            v = v.as_strided(r.shape, r.stride)
+        return v
+
     def _swap_in(self, prep: _Prepared, k: int) -> tuple[list[dict[str, tuple]], int]:
         """Per piece of chunk k: {key: (value the optimizer sees, slot view, host view the swap-out
         writes)}, with the H2D copies filling the slot views queued."""
@@ -518,45 +634,68 @@ class SwapOptimizer(torch.optim.Optimizer):
         slot = self.operate.slot(k)
         copies = []
         for r in prep.regions[k]:
-            v = slot[r.offset : r.offset + r.nbytes].view(r.dtype)
-            if r.shape is not None:
-                v = v.view(r.shape)
+            v = self._region_view(r, slot)
             views[r.piece][r.key] = (wrap_like(r.layout, v) if r.layout is not None else v, v, r.host)
-            copies.append((v, r.host))
+            if r.host is not None and r.nbytes:
+                copies.append((v, r.host))
         self.operate.swap_in(k, copies)
-        return views, sum(r.nbytes for r in prep.regions[k])
+        return views, sum(r.nbytes for r in prep.regions[k] if r.host is not None)
 
     def _run_inner(self, chunk_groups: dict[int, list[torch.Tensor]], chunk_state: Any, kwargs: dict) -> None:
-        """One inner step over the given params and state; the shared groups and state are restored after."""
+        """One inner step over the given params and state; the shared groups and state are restored after.
+        The step sees copies of the groups: a write to a group-level value would be lost, so it raises."""
         inner = self.optimizer
-        groups = [dict(self.param_groups[gi], params=ps) for gi, ps in sorted(chunk_groups.items())]
+        order = sorted(chunk_groups)
+        groups = [dict(self.param_groups[gi], params=chunk_groups[gi]) for gi in order]
         inner.param_groups, inner.state = groups, chunk_state
         try:
             self._step_fn(inner, **kwargs)
         finally:
             inner.param_groups, inner.state = self.param_groups, self.state
+        for gi, copy in zip(order, groups):
+            orig = self.param_groups[gi]
+            for key, value in copy.items():
+                if key != "params" and (key not in orig or orig[key] is not value):
+                    raise RuntimeError(
+                        f"{type(inner).__name__}.step wrote param_groups[{gi}][{key!r}]: SwapOptimizer steps each "
+                        "chunk of params with its own copy of the group, so group-level writes (a step counter, a "
+                        "norm over all params) would be lost or wrong; such an optimizer is not per-param and "
+                        "cannot be swapped"
+                    )
 
     def _update_resident(self, prep: _Prepared, kwargs: dict) -> None:
         with torch.profiler.record_function("swapopt.update[resident]"):
             chunk_groups: dict[int, list[torch.Tensor]] = defaultdict(list)
-            chunk_state: defaultdict = defaultdict(dict)
             for i in prep.plan.resident:
-                p = prep.params[i]
-                chunk_groups[prep.groups[i]].append(p)
-                chunk_state[p] = self.state[p]  # the real dict: resident states are updated where they live
+                chunk_groups[prep.groups[i]].append(prep.params[i])
+            # the real dicts: resident states are updated where they live
+            chunk_state = self._real_states(prep.params[i] for i in prep.plan.resident)
             self._run_inner(chunk_groups, chunk_state, kwargs)
+            self._keep_new_states(chunk_state)
 
-    def _piece_input(self, prep: _Prepared, piece, views: dict[str, tuple]) -> tuple[torch.Tensor, dict[str, Any]]:
-        """The tensor the inner optimizer steps for one piece and its state dict: swapped states are the
-        device views in ``views``, scalar states are clones (written back once the whole param is done)."""
+    def _piece_input(
+        self, prep: _Prepared, piece, views: dict[str, tuple]
+    ) -> tuple[torch.Tensor, dict[str, Any] | None]:
+        """The tensor the inner optimizer steps for one piece and its state dict (None when p has no
+        state entry): swapped states are the device views in ``views``, scalar states are clones
+        (written back once the whole param is done)."""
         p = prep.params[piece.index]
-        if prep.flat[piece.index]:  # a leaf view of the flat range, its grad the matching view
-            t = local(p).detach().view(-1)[piece.start : piece.stop]
-            t.grad = local(p.grad).reshape(-1)[piece.start : piece.stop]  # a view unless the grad is strided
+        if prep.flat[piece.index]:  # a leaf view of the flat range in memory order, its grad likewise
+            t = hoststate.flat_view(local(p).detach())[piece.start : piece.stop]
+            g = local(p.grad)
+            if _GRAD in views:  # laid out unlike p: gather the piece's elements in p's memory order
+                buf = views[_GRAD][1]
+                order = hoststate.memory_order(local(p))
+                hoststate.gather_range(buf, g.permute(order), piece.start, piece.stop)
+                t.grad = buf
+            else:
+                t.grad = hoststate.flat_view(g)[piece.start : piece.stop]
         else:
             t = p
+        if p not in self.state:
+            return t, None
         pst: dict[str, Any] = {}
-        for key, value in (self.state.get(p) or {}).items():
+        for key, value in self.state[p].items():
             if key in views:
                 pst[key] = views[key][0]
             elif isinstance(value, torch.Tensor):
@@ -579,22 +718,28 @@ class SwapOptimizer(torch.optim.Optimizer):
                 new = local(value)
                 if new.data_ptr() != slot_view.data_ptr():
                     slot_view.copy_(new)  # the optimizer replaced the tensor instead of updating it
-                copies.append((host, slot_view))
+                if slot_view.numel():
+                    copies.append((host, slot_view))
             elif is_swapped_state(t, key, value):  # created by the optimizer this step
                 src = local(value)
                 host = local(self._pending_host(pending, p, key, value, flat))
-                copies.append((host.view(-1)[piece.start : piece.stop] if flat else host, src))
-                hold.append(src)
+                dst = hoststate.flat_view(host)[piece.start : piece.stop] if flat else host
+                if src.numel():
+                    copies.append((dst, src))
+                    hold.append(src)
             else:
                 scalars[key] = value
         last = not flat or piece.stop == local(p).numel()
         return copies, hold, (scalars if last else None)
 
-    def _publish(self, p: torch.Tensor, scalars: dict[str, Any], pending: dict) -> None:
-        """p is fully stepped: its scalar states and the host states created this step become its state."""
-        st = self.state[p]
-        st.update(scalars)
+    def _publish(self, p: torch.Tensor, scalars: dict[str, Any] | None, pending: dict) -> None:
+        """p is fully stepped: its scalar states and the host states created this step become its state.
+        ``scalars`` None: the inner optimizer made no state entry for p, so none is made (as in torch)."""
         created = pending.pop(p, None)
+        if scalars is None and not created and p not in self.state:
+            return
+        st = self.state[p]
+        st.update(scalars or {})
         if created:
             st.update(created)
             self._host.pop(p, None)
@@ -604,122 +749,57 @@ class SwapOptimizer(torch.optim.Optimizer):
         self, prep: _Prepared, k: int, views: list[dict[str, tuple]], pending: dict, kwargs: dict, progress: dict
     ) -> int:
         """Run the inner optimizer on chunk k's pieces, then queue their swap-out. Returns D2H bytes.
-        ``progress["entered"]`` is set to k once the inner optimizer may have written chunk k's params."""
+        ``progress`` tracks the stage reached for the failure path (Note [failure semantics])."""
         op = self.operate
         chunk = prep.plan.chunks[k]
+        progress["stage"] = ("input", k)
         op.begin_update(k)
         chunk_groups: dict[int, list[torch.Tensor]] = defaultdict(list)
         chunk_state: defaultdict = defaultdict(dict)
         targets: list[torch.Tensor] = []
         with torch.profiler.record_function(f"swapopt.update[{k}]"):
             for pos, piece in enumerate(chunk.pieces):
-                t, chunk_state[t] = self._piece_input(prep, piece, views[pos])
+                t, pst = self._piece_input(prep, piece, views[pos])
+                if pst is not None:
+                    chunk_state[t] = pst
                 chunk_groups[prep.groups[piece.index]].append(t)
                 targets.append(t)
-            progress["entered"] = k
+            progress["stage"] = ("update", k)
             self._run_inner(chunk_groups, chunk_state, kwargs)
-            copies, hold, finals = [], [], []
-            for pos, piece in enumerate(chunk.pieces):
-                t = targets[pos]
-                c, h, scalars = self._piece_output(prep, piece, t, chunk_state[t], views[pos], pending)
-                copies += c
-                hold += h
-                if scalars is not None:
-                    finals.append((prep.params[piece.index], scalars))
+            progress["stage"] = ("output", k)
+            progress["chunk"] = (targets, chunk_state, views)
+            copies, hold, finals = self._chunk_output(prep, k, targets, chunk_state, views, pending)
             nbytes = sum(src.numel() * src.element_size() for _, src in copies)
             op.end_update(k)
         op.swap_out(k, copies, hold)
         for p, scalars in finals:  # the param is fully stepped: publish its scalars and new host states
             self._publish(p, scalars, pending)
+        progress["stage"] = ("done", k)
+        progress.pop("chunk", None)
         return nbytes
 
-    # ----- failure path ------------------------------------------------------------------------
-    def _name(self, prep: _Prepared, i: int) -> str:
-        p = prep.params[i]
-        gi = prep.groups[i]
-        j = next(j for j, q in enumerate(self.param_groups[gi]["params"]) if q is p)
-        return f"param_groups[{gi}]['params'][{j}] of shape {tuple(p.shape)}"
-
-    def _roll_forward(self, prep: _Prepared, failed: int, entered: bool, pending: dict, kwargs: dict) -> None:
-        """After a failure in chunk ``failed`` (streams drained): complete every param whose update began
-        in an earlier chunk but whose last piece was not stepped, one piece at a time, synchronously.
-
-        Chunk ``failed``'s own pieces are redone only when the inner optimizer had not been entered for
-        that chunk (``entered`` False): then nothing of the chunk was written (the swap-out was never
-        queued and scalar states are clones). Otherwise the inner optimizer may have updated part of the
-        param in place before raising (AdamW's weight decay, say) and a redo could apply that part twice,
-        so the param is left as it is: pieces before the chunk stepped, the rest with its old host
-        states, its scalar states old; an ERROR names it.
-        """
-        plan = prep.plan
-        begun = {pc.index for c in plan.chunks[:failed] for pc in c.pieces}
-        rolled = 0
-        for i in sorted(i for i in begun if plan.last_chunk[i] >= failed):
-            p = prep.params[i]
-            pieces = [
-                (j, pos) for j in range(failed, len(plan.chunks)) for pos, pc in enumerate(plan.chunks[j].pieces)
-                if pc.index == i
-            ]  # fmt: skip
-            cut = plan.chunks[pieces[0][0]].pieces[pieces[0][1]].start  # elements [0, cut) are stepped
-            if entered and pieces[0][0] == failed:
-                stop = plan.chunks[failed].pieces[pieces[0][1]].stop
-                pending.pop(p, None)
-                logger.error(
-                    "swapopt: step failed inside the update of chunk {}; {} was split across it and is left "
-                    "partially stepped: elements [0, {}) were stepped, the rest keep their old states (elements "
-                    "[{}, {}) were in the failed update and may be partially updated in place); step count old{}",
-                    failed, self._name(prep, i), cut, cut, stop,
-                    "; the states this step created for it are dropped" if p not in self._host else "",
-                )  # fmt: skip
-                continue
-            try:
-                scalars = None
-                for j, pos in pieces:
-                    cut = plan.chunks[j].pieces[pos].start
-                    scalars = self._recover_piece(prep, j, pos, pending, kwargs)
-                self._publish(p, scalars or {}, pending)
-                rolled += 1
-            except Exception as exc:  # noqa: BLE001 - the original exception is the one to raise
-                created = pending.pop(p, None)
-                logger.error(
-                    "swapopt: step failed in chunk {}; completing {} failed too ({!r}): elements [0, {}) were "
-                    "stepped, the rest keep their old states (the piece from element {} on may be partially "
-                    "updated in place); step count old{}",
-                    failed, self._name(prep, i), exc, cut, cut,
-                    "; the states this step created for it are dropped" if created else "",
-                )  # fmt: skip
-        if rolled:
-            logger.debug("swapopt: step failed in chunk {}; rolled {} split params forward", failed, rolled)
-
-    def _recover_piece(self, prep: _Prepared, j: int, pos: int, pending: dict, kwargs: dict) -> dict[str, Any] | None:
-        """Step piece ``pos`` of chunk ``j`` on its own, as the pipeline does, in fresh device buffers on the
-        compute stream; every copy is synchronous, so the host has seen all of it on return. Returns the
-        piece's scalar states when it is its param's last piece."""
-        op = self.operate
-        piece = prep.plan.chunks[j].pieces[pos]
-        dev = device.torch_device(self._device)
-        with op.mod.stream(op.compute_stream), torch.profiler.record_function(f"swapopt.recover[{j}]"):
-            views: dict[str, tuple] = {}
-            for r in prep.regions[j]:
-                if r.piece == pos:
-                    buf = torch.empty(r.host.shape, dtype=r.dtype, device=dev)
-                    buf.copy_(r.host)
-                    views[r.key] = (wrap_like(r.layout, buf) if r.layout is not None else buf, buf, r.host)
-            t, pst = self._piece_input(prep, piece, views)
-            chunk_state: defaultdict = defaultdict(dict)
-            chunk_state[t] = pst
-            self._run_inner({prep.groups[piece.index]: [t]}, chunk_state, kwargs)
-            copies, _, scalars = self._piece_output(prep, piece, t, chunk_state[t], views, pending)
-            for dst, src in copies:
-                dst.copy_(src)  # the host waits: the buffers are freed on return
-        return scalars
+    def _chunk_output(self, prep: _Prepared, k: int, targets: list, chunk_state: dict, views: list, pending: dict):
+        """Swap-out copies, device tensors to hold, and (param, scalars) of params whose last piece this is."""
+        copies, hold, finals = [], [], []
+        for pos, piece in enumerate(prep.plan.chunks[k].pieces):
+            t = targets[pos]
+            entered = t in chunk_state
+            c, h, scalars = self._piece_output(prep, piece, t, chunk_state[t] if entered else {}, views[pos], pending)
+            copies += c
+            hold += h
+            if scalars is not None:
+                finals.append((prep.params[piece.index], scalars if entered else None))
+        return copies, hold, finals
 
     def _pending_host(self, pending: dict, p: torch.Tensor, key: str, value: torch.Tensor, flat: bool) -> torch.Tensor:
         """Host tensor for a state the optimizer created this step: allocated once, reused every step."""
         states = pending.setdefault(p, {})
         if key not in states:
             src = local(value)
-            if flat:
+            pre = self._pre_hosts.get(p, {}).get(key)
+            if pre is not None and local(pre).dtype == src.dtype and (flat or local(pre).shape == src.shape):
+                states[key] = pre
+            elif flat:
                 if src.dim() != 1:
                     raise RuntimeError(
                         f"{type(self.optimizer).__name__} created state {key!r} of shape {tuple(src.shape)} for a "
@@ -727,5 +807,6 @@ class SwapOptimizer(torch.optim.Optimizer):
                     )
                 states[key] = new_host_like(p, src.dtype)
             else:
-                states[key] = wrap_like(value, device.pinned_empty(tuple(src.shape), dtype=src.dtype))
+                strides = hoststate.layout_strides(src)
+                states[key] = wrap_like(value, hoststate.pinned_like(tuple(src.shape), strides, src.dtype))
         return states[key]

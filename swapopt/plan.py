@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 DEFAULT_ALIGN = 512  # elements; 2 KiB of fp32, a multiple of every CPU/GPU vector width
+SLOT_ALIGN = 64  # bytes; every slot region starts on a cache line (and a 16-byte vector boundary)
 
 
 @dataclass(frozen=True)
@@ -22,17 +23,24 @@ class ParamSize:
 
     ``state_bytes``: bytes of its swapped states (0 for params without swapped state);
     ``splittable``: its states are element-wise (same shape as the param), so a flat range of the
-    param carries ``state_bytes // numel`` bytes per element.
+    param carries ``state_bytes // numel`` bytes per element; ``regions``: slot regions one piece of it
+    occupies (one per state), each padded to ``SLOT_ALIGN`` bytes, which the budget must hold too.
     """
 
     index: int
     numel: int
     state_bytes: int
     splittable: bool = False
+    regions: int = 0
 
     @property
     def elem_bytes(self) -> int:
         return self.state_bytes // self.numel if self.numel else 0
+
+    @property
+    def pad_bytes(self) -> int:
+        """Most bytes the alignment of one piece's regions can add (none for empty states)."""
+        return self.regions * (SLOT_ALIGN - 1) if self.state_bytes else 0
 
 
 @dataclass(frozen=True)
@@ -51,7 +59,7 @@ class Piece:
 @dataclass(frozen=True)
 class Chunk:
     pieces: tuple[Piece, ...]
-    nbytes: int  # state bytes moved for this chunk, each way
+    nbytes: int  # slot bytes of this chunk: state bytes (and gathered grads), alignment padding included
 
 
 @dataclass(frozen=True)
@@ -96,18 +104,19 @@ def chunk_pieces(
     for size in sizes:
         if size.numel < 0 or size.state_bytes < 0:
             raise ValueError(f"negative size in {size}")
-        fits_whole = keep_whole and size.state_bytes <= budget
+        pad = size.pad_bytes
+        fits_whole = keep_whole and size.state_bytes + pad <= budget
         if not size.splittable or fits_whole or size.numel == 0 or size.state_bytes == 0:
-            if pieces and size.state_bytes and used + size.state_bytes > budget:
+            if pieces and size.state_bytes and used + size.state_bytes + pad > budget:
                 close()  # a full chunk is closed by the next piece that carries bytes
             pieces.append(Piece(size.index, 0, size.numel))
-            used += size.state_bytes
+            used += size.state_bytes + pad
             continue
         if size.state_bytes % size.numel:
             raise ValueError(f"splittable param {size.index}: state bytes not a multiple of numel")
         start, eb = 0, size.elem_bytes
         while start < size.numel:
-            fit = start + (budget - used) // eb
+            fit = start + max(budget - used - pad, 0) // eb
             if fit >= size.numel:
                 stop = size.numel
             else:
@@ -118,7 +127,7 @@ def chunk_pieces(
                         continue
                     stop = min(size.numel, start + align)  # budget below one block: one block
             pieces.append(Piece(size.index, start, stop))
-            used += (stop - start) * eb
+            used += (stop - start) * eb + pad
             start = stop
     close()
     return chunks
@@ -177,7 +186,7 @@ def make_plan(
     resident = pick_resident(sizes, resident_bytes) if resident_bytes > 0 else ()
     rset = set(resident)
     swapped = [s for s in sizes if s.index not in rset]
-    total = sum(s.state_bytes for s in swapped)
+    total = sum(s.state_bytes + s.pad_bytes for s in swapped)
     if chunk_bytes is not None:
         budget = max(1, int(chunk_bytes))
         chunks = chunk_pieces(swapped, budget, align, keep_whole=True)

@@ -6,14 +6,19 @@ an accelerator it runs on the simulated device (``device.sim``) and says so: mem
 simulator's exact byte counts and GB/s its modeled rates. With ``train.compare_resident=N`` it then runs N
 steps of the same config with swapping off and prints both device-memory peaks.
 Works under ``torchrun --nproc-per-node 2`` (gloo on CPU, FSDP2).
+
+Start-up mistakes (bad keys, unwritable paths, a bad checkpoint, an unknown device) end with one ``error:``
+line and exit code 2 before anything is written; Ctrl-C ends with one line saying where to resume, exit 130.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
+import shlex
 import sys
 import time
 from contextlib import contextmanager
@@ -24,15 +29,27 @@ import torch
 import torch.distributed as dist
 from loguru import logger
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                           TimeRemainingColumn)
 from rich.text import Text
 
-import device
 from swapopt.engine.config import ConfigError, EngineConfig, load_config
-from swapopt.engine.trainer import TrainEngine, resolve_checkpoint
+from swapopt.engine.interrupt import InterruptGuard
+from swapopt.engine.preflight import (DEVICE_ENV, DevicePlan, check_fits, check_paths, count_params, describe,
+                                      estimate, local_world_size, plan_device, slow_hint)
+from swapopt.engine.resume import check_resume
+from swapopt.engine.trainer import TrainEngine
 
 MiB = 2**20
-DEVICE_ENV = "SWAPOPT_DEVICE"  # read by device.get_device()
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for a Ctrl-C
+
+
+class Interrupted(Exception):
+    """Ctrl-C during training: the last finished step and the newest checkpoint, if any."""
+
+    def __init__(self, step: int, checkpoint: Path | None) -> None:
+        super().__init__(step)
+        self.step, self.checkpoint = step, checkpoint
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -45,25 +62,32 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 @contextmanager
-def device_context(cfg: EngineConfig) -> Iterator[str]:
-    """Yield a line saying where training runs; activates the simulator when asked or when no accelerator
-    is found."""
+def device_context(cfg: EngineConfig, plan: DevicePlan) -> Iterator[str]:
+    """Yield a line saying what really runs; activates the simulator when asked or when no accelerator is
+    found (``plan_device`` has already resolved and checked the choice)."""
     tcfg = cfg.train
-    if tcfg.device == "sim" or (tcfg.device == "auto" and device.get_device() == "cpu"):
+    if plan.kind == "sim":
         from device import sim
 
         capacity = int(tcfg.sim_capacity_mb * MiB) if tcfg.sim_capacity_mb else None
-        with sim.activate(tcfg.sim_preset, capacity_bytes=capacity) as simdev:
-            reason = "simulator requested" if tcfg.device == "sim" else "no accelerator found"
-            yield (f"{reason}: running on the simulated {simdev.preset.name} device "
-                   f"({_fmt_bytes(simdev.mem_get_info()[1])}); device memory is the simulator's exact count, "
-                   "GB/s its modeled rate")
+        with sim.activate(plan.preset, capacity_bytes=capacity) as simdev:
+            yield (f"{plan.reason}: running on the simulated {simdev.preset.name} device "
+                   f"({_fmt_bytes(simdev.mem_get_info()[1])}); device memory is the simulator's exact count; "
+                   "step times, tok/s and GB/s are modeled")
         return
     previous = os.environ.get(DEVICE_ENV)
-    if tcfg.device != "auto":  # swapopt's core asks device.get_device(), which reads this variable
-        os.environ[DEVICE_ENV] = tcfg.device
+    forced = "cpu" if plan.kind == "plain-cpu" else (tcfg.device if tcfg.device != "auto" else None)
+    if forced:  # swapopt's core asks device.get_device(), which reads this variable
+        os.environ[DEVICE_ENV] = forced
     try:
-        yield f"device: {device.get_device()} ({device.torch_device()})"
+        if plan.kind == "plain-cpu":
+            swap = ("swap_optimizer=True steps in place and moves nothing" if cfg.optim.swap_optimizer
+                    else "optimizer states stay in host memory")
+            yield f"{plan.reason}: {swap}; memory figures n/a, times are wall clock"
+        else:
+            import device
+
+            yield f"device: {device.get_device()} ({device.torch_device()})"
     finally:
         if previous is None:
             os.environ.pop(DEVICE_ENV, None)
@@ -77,57 +101,110 @@ def _fmt_bytes(n: int | None) -> str:
     return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / MiB:.2f} MiB"
 
 
-def step_line(m: dict[str, Any]) -> str:
-    line = (f"step {m['step']:>5}  loss {m['loss']:.4f}  tok/s {m['tokens_per_s']:,.0f}  "
-            f"step {m['step_ms']:.1f} ms  optim {m['optim_ms']:.1f} ms  mem peak {_fmt_bytes(m['mem_peak_bytes'])}")
-    if "swap_bytes" in m:
-        gbps = "n/a" if m["swap_gbps"] is None else f"{m['swap_gbps']:.1f} GB/s"
-        line += f"  swapped {_fmt_bytes(m['swap_bytes'])} @ {gbps}"
+def _gbps(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.1f} GB/s"
+
+
+def step_line(m: dict[str, Any], modeled: bool = False, prefix: str = "") -> str:
+    tag = " (modeled)" if modeled else ""
+    line = (f"{prefix}step {m['step']:>5}  loss {m['loss']:.4f}  tok/s {m['tokens_per_s']:,.0f}  "
+            f"step {m['step_ms']:.1f} ms  optim {m['optim_ms']:.1f} ms{tag}  mem peak {_fmt_bytes(m['mem_peak_bytes'])}")
+    if m.get("swap_bytes") or m.get("h2d_gbps") is not None:  # nothing to say when it stepped in place
+        line += (f"  swap in {_fmt_bytes(m['swap_h2d_bytes'])} @ {_gbps(m['h2d_gbps'])}, "
+                 f"out {_fmt_bytes(m['swap_d2h_bytes'])} @ {_gbps(m['d2h_gbps'])}{tag}")
     return line
 
 
-def run(cfg: EngineConfig, console: Console, label: str = "train") -> dict[str, Any]:
-    """Train to ``train.steps``; returns a summary (losses, peak memory, swap totals)."""
+def _trim_metrics(path: Path, last_step: int) -> None:
+    """Drop lines of steps after ``last_step`` (written by a run that went on past its last checkpoint), so a
+    resumed run appends each step once."""
+    if not path.is_file():
+        return
+    kept = [line for line in path.read_text().splitlines()
+            if line.strip() and json.loads(line).get("step", 0) <= last_step]
+    path.write_text("".join(line + "\n" for line in kept))
+
+
+def run(cfg: EngineConfig, console: Console, label: str = "train", modeled: bool = False,
+        guard: InterruptGuard | None = None, progress_state: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Train to ``train.steps``; returns a summary (losses, peak memory, swap totals). Ctrl-C raises
+    Interrupted after an optional checkpoint (``train.save_on_interrupt``). ``progress_state`` gets the last
+    finished step and checkpoint as they happen (read by the interrupt watchdog)."""
     tcfg = cfg.train
-    engine = TrainEngine(cfg)
-    main_rank = engine.rank == 0
+    state = progress_state if progress_state is not None else {}
+    bookkeeping = guard.critical if guard is not None else contextlib.nullcontext
+    prefix = "" if label == "train" else f"{label}: "
+    engine = None
+    checkpoint: Path | None = None
     metrics_file = None
-    if main_rank and tcfg.metrics_path:
-        Path(tcfg.metrics_path).parent.mkdir(parents=True, exist_ok=True)
-        metrics_file = open(tcfg.metrics_path, "a" if tcfg.resume else "w")
-    summary: dict[str, Any] = {"start_step": engine.step, "losses": [], "mem_peak_bytes": None,
-                               "swap_bytes": 0, "n_params": engine.n_params, "swapping": engine.swapping,
-                               "world_size": engine.world_size, "rank": engine.rank}
-    start = time.perf_counter()
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    summary: dict[str, Any] = {"start_step": 0}
+    last: dict[str, Any] | None = None  # metrics of the newest finished step
+    written = 0  # newest step whose metrics line is in the file
     try:
+        engine = TrainEngine(cfg)
+        if guard is not None:
+            engine.critical = guard.critical
+        checkpoint = Path(tcfg.resume) if tcfg.resume else None
+        state.update(step=engine.step, checkpoint=checkpoint)
+        main_rank = engine.rank == 0
+        if main_rank and tcfg.metrics_path:
+            path = Path(tcfg.metrics_path)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if tcfg.resume:
+                _trim_metrics(path, engine.step)
+            metrics_file = open(path, "a" if tcfg.resume else "w")
+        summary = {"start_step": engine.step, "losses": [], "mem_peak_bytes": None, "swap_bytes": 0,
+                   "h2d_bytes": 0, "d2h_bytes": 0, "n_params": engine.n_params, "swapping": engine.swapping,
+                   "world_size": engine.world_size, "rank": engine.rank}
+        written = engine.step
+        start = time.perf_counter()
+        columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                   TextColumn("eta"), TimeRemainingColumn())
         with Progress(*columns, console=console, disable=not main_rank, transient=True) as progress:
             task = progress.add_task(label, total=tcfg.steps, completed=engine.step)
             while engine.step < tcfg.steps:
-                m = engine.train_step()
-                summary["losses"].append(m["loss"])
-                summary["swap_bytes"] += m.get("swap_bytes", 0)
-                if m["mem_peak_bytes"] is not None:
-                    summary["mem_peak_bytes"] = max(summary["mem_peak_bytes"] or 0, m["mem_peak_bytes"])
-                if metrics_file:
-                    metrics_file.write(json.dumps(m) + "\n")
+                m = last = engine.train_step()
+                with bookkeeping():  # a Ctrl-C here waits until the step's line is written, once
+                    state["step"] = engine.step
+                    summary["losses"].append(m["loss"])
+                    summary["swap_bytes"] += m.get("swap_bytes", 0)
+                    summary["h2d_bytes"] += m.get("swap_h2d_bytes", 0)
+                    summary["d2h_bytes"] += m.get("swap_d2h_bytes", 0)
+                    if m["mem_peak_bytes"] is not None:
+                        summary["mem_peak_bytes"] = max(summary["mem_peak_bytes"] or 0, m["mem_peak_bytes"])
+                    if metrics_file:
+                        metrics_file.write(json.dumps(m) + "\n")
+                        metrics_file.flush()  # a killed run keeps every finished step
+                    written = m["step"]
                 if main_rank and (m["step"] % tcfg.log_interval == 0 or m["step"] in (1, tcfg.steps)):
-                    progress.console.print(step_line(m))
+                    progress.console.print(step_line(m, modeled, prefix))
                 progress.update(task, completed=engine.step, description=f"{label}  loss {m['loss']:.4f}")
                 if tcfg.checkpoint_dir and tcfg.checkpoint_interval and engine.step % tcfg.checkpoint_interval == 0:
-                    engine.save_checkpoint()
+                    checkpoint = state["checkpoint"] = engine.save_checkpoint()
                 if cfg.rl and engine.step % cfg.rl.rollout_every == 0 and engine.step < tcfg.steps:
                     r = engine.rollout(cfg.rl.rollout_buffer_mb, cfg.rl.empty_cache)
                     if metrics_file:
                         metrics_file.write(json.dumps(r) + "\n")
+                        metrics_file.flush()
                     if main_rank:
                         progress.console.print(
                             f"rollout after step {r['step']}: optimizer offloaded, {r['rollout_buffer_mb']:.0f} MiB "
                             f"buffer held, mem peak {_fmt_bytes(r['rollout_mem_peak_bytes'])}")
         if tcfg.checkpoint_dir and not (tcfg.checkpoint_interval and engine.step % tcfg.checkpoint_interval == 0):
-            engine.save_checkpoint()
+            checkpoint = engine.save_checkpoint()
+    except KeyboardInterrupt:
+        step = engine.step if engine is not None else 0
+        if metrics_file and last is not None and last["step"] == step and written < step:
+            # Ctrl-C landed between the end of a step and its metrics line: the step is done, so is its line.
+            metrics_file.write(json.dumps(last) + "\n")
+        saved_now = checkpoint is not None and checkpoint.name == f"step_{step:08d}"
+        if (engine is not None and step > summary["start_step"] and tcfg.save_on_interrupt and tcfg.checkpoint_dir and not saved_now
+                and not (guard is not None and guard.torn)):
+            checkpoint = engine.save_checkpoint()
+        raise Interrupted(step, checkpoint) from None
     finally:
-        engine.close()
+        if engine is not None:
+            engine.close()
         if metrics_file:
             metrics_file.close()
     summary["seconds"] = time.perf_counter() - start
@@ -144,23 +221,28 @@ def resident_baseline(cfg: EngineConfig) -> EngineConfig:
     return EngineConfig.model_validate(raw)
 
 
-def print_summary(console: Console, s: dict[str, Any], base: dict[str, Any] | None) -> None:
+def print_summary(console: Console, s: dict[str, Any], base: dict[str, Any] | None, plan: DevicePlan) -> None:
     steps = len(s["losses"])
     final = f"{s['losses'][-1]:.4f}" if steps else "n/a"
-    console.print(f"done: {steps} steps ({s['start_step']} -> {s['start_step'] + steps}) in {s['seconds']:.1f} s, "
-                  f"final loss {final}, {s['n_params'] / 1e6:.2f}M params, world size {s['world_size']}")
+    clock = " wall clock (the simulator's CPU time; step times above are modeled)" if plan.kind == "sim" else ""
+    console.print(f"done: {steps} steps ({s['start_step']} -> {s['start_step'] + steps}) in {s['seconds']:.1f} s"
+                  f"{clock}, final loss {final}, {s['n_params'] / 1e6:.2f}M params, world size {s['world_size']}")
     mode = "swap_optimizer=True" if s["swapping"] else "swap_optimizer=False (resident)"
     if s["world_size"] > 1:
         mode += f", rank 0 of {s['world_size']}"
     console.print(f"peak device memory, {mode}: {_fmt_bytes(s['mem_peak_bytes'])}")
     if s["swapping"] and steps:
-        console.print(f"optimizer traffic: {_fmt_bytes(s['swap_bytes'] // steps)} per step (H2D + D2H)")
+        if plan.kind == "plain-cpu":
+            console.print("optimizer traffic: none (plain CPU: no device to swap to, the optimizer stepped in place)")
+        else:
+            console.print(f"optimizer traffic per step: {_fmt_bytes(s['h2d_bytes'] // steps)} in (H2D), "
+                          f"{_fmt_bytes(s['d2h_bytes'] // steps)} out (D2H)")
     if base is None:
         return
     if "oom" in base:
         console.print(f"resident baseline (swap_optimizer=False): out of device memory: {base['oom']}")
         return
-    console.print(f"peak device memory, resident baseline ({len(base['losses'])} steps, swap_optimizer=False): "
+    console.print(f"resident baseline ({len(base['losses'])} steps, swap_optimizer=False), peak device memory: "
                   f"{_fmt_bytes(base['mem_peak_bytes'])}")
     if s["mem_peak_bytes"] and base["mem_peak_bytes"]:
         saved = base["mem_peak_bytes"] - s["mem_peak_bytes"]
@@ -172,6 +254,10 @@ def print_summary(console: Console, s: dict[str, Any], base: dict[str, Any] | No
         console.print(f"losses of the first {n} steps bitwise equal to the resident baseline: {same}")
 
 
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
 def _setup_logging() -> int:
     try:
         logger.remove(0)  # loguru's default DEBUG sink; ours below is INFO
@@ -179,16 +265,19 @@ def _setup_logging() -> int:
         pass
     logger.enable("swapopt")
     logger.enable("device")
+    rank = f"[rank {_rank()}] " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
     # Resolve sys.stderr at write time so rich's progress display can route log lines above the bar.
     return logger.add(lambda msg: sys.stderr.write(msg), level=os.environ.get("SWAPOPT_LOG_LEVEL", "INFO"),
-                      format="{time:HH:mm:ss} | {level: <7} | {name} | {message}")
+                      format=rank + "{time:HH:mm:ss} | {level: <7} | {name} | {message}")
 
 
 def main(argv: list[str] | None = None) -> int:
     handler = _setup_logging()
+    args = parse_args(argv)
+    raw_args = list(sys.argv[1:] if argv is None else argv)
     try:
-        rc = _main(parse_args(argv))
-        if dist.is_available() and dist.is_initialized():
+        rc = _main(args, raw_args)
+        if rc == 0 and dist.is_available() and dist.is_initialized():
             dist.barrier()  # no rank tears the group down while a peer still talks to it
         return rc
     finally:
@@ -201,36 +290,109 @@ def main(argv: list[str] | None = None) -> int:
         logger.disable("device")
 
 
-def _main(args: argparse.Namespace) -> int:
+def resume_command(raw_args: list[str], checkpoint: Path) -> str:
+    """The command line that continues this run from ``checkpoint`` (any --resume replaced)."""
+    out, skip = [], False
+    for arg in raw_args:
+        if skip:
+            skip = False
+            continue
+        if arg == "--resume":
+            skip = True
+            continue
+        if arg.startswith("--resume="):
+            continue
+        out.append(arg)
+    return shlex.join([Path(sys.executable).name, "-m", "swapopt.train", *out, "--resume", str(checkpoint)])
+
+
+def interrupted_line(step: int, checkpoint: Path | None, raw_args: list[str]) -> str:
+    if checkpoint is None:
+        return (f"interrupted at step {step}: no checkpoint to resume from (set train.checkpoint_dir, and "
+                "train.save_on_interrupt=true to save one on Ctrl-C)")
+    return f"interrupted at step {step}: last checkpoint {checkpoint}; resume with: {resume_command(raw_args, checkpoint)}"
+
+
+def _error(console: Console, err: BaseException) -> int:
+    if _rank() == 0:  # every rank runs the same checks; one line is enough
+        console.print(Text("error: ", style="red") + Text(" ".join(str(err).split())))
+    return 2
+
+
+def _preflight(cfg: EngineConfig, out: Console) -> tuple[DevicePlan, int | None]:
+    """Every start-up check; returns the device plan and, when resuming, the checkpoint's step."""
+    plan = plan_device(cfg)
+    check_paths(cfg)
+    resumed_step = None
+    if cfg.train.resume:
+        step_dir, resumed_step = check_resume(cfg)
+        cfg.train.resume = str(step_dir)
+    finished = resumed_step is not None and resumed_step >= cfg.train.steps
+    if plan.kind in ("sim", "plain-cpu") and not finished:  # device memory is host memory here
+        n_params = count_params(cfg)
+        if n_params is not None:
+            est = estimate(cfg, n_params, local_world_size())
+            check_fits(cfg, est)
+            out.print(describe(est))
+            hint = slow_hint(est)
+            if hint:
+                out.print(hint)
+    return plan, resumed_step
+
+
+def _main(args: argparse.Namespace, raw_args: list[str]) -> int:
     console = Console(highlight=False, soft_wrap=True)
+    main_rank = _rank() == 0
+    out = console if main_rank else Console(quiet=True)
     try:
         cfg = load_config(args.config, args.cfg_options)
         if args.resume:
             cfg.train.resume = args.resume
-        if cfg.train.resume:
-            resolve_checkpoint(cfg.train.resume)  # fail now, not after building the model
-    except (ConfigError, FileNotFoundError) as err:
-        console.print(Text("error: ", style="red") + Text(str(err)))
-        return 2
-    main_rank = int(os.environ.get("RANK", "0")) == 0
-    out = console if main_rank else Console(quiet=True)
-    try:
-        with device_context(cfg) as where:
-            out.print(where)
-            summary = run(cfg, out)
-    except ConfigError as err:  # the swap engine refused the optimizer: nothing was trained or written
-        console.print(Text("error: ", style="red") + Text(str(err)))
-        return 2
-    baseline = None
-    if cfg.train.compare_resident and cfg.optim.swap_optimizer:
-        gc.collect()
+        plan, resumed_step = _preflight(cfg, out)
+    except ConfigError as err:
+        return _error(console, err)
+    if resumed_step is not None and resumed_step >= cfg.train.steps:
+        out.print(f"nothing to do: checkpoint {cfg.train.resume} is at step {resumed_step} and train.steps is "
+                  f"{cfg.train.steps}, so this run is finished; raise train.steps to train further")
+        return 0
+    modeled = plan.kind == "sim"
+    state: dict[str, Any] = {"step": resumed_step or 0,
+                             "checkpoint": Path(cfg.train.resume) if cfg.train.resume else None}
+
+    def stuck() -> None:  # the watchdog's last word when one long operation holds the main thread
+        if main_rank:
+            sys.stdout.write("\n" + interrupted_line(state["step"], state["checkpoint"], raw_args) + "\n")
+            sys.stdout.flush()
+
+    with InterruptGuard(on_stuck=stuck, exit_code=EXIT_INTERRUPTED) as guard:
         try:
-            with device_context(cfg):
-                baseline = run(resident_baseline(cfg), out, label="resident baseline")
-        except torch.OutOfMemoryError as err:  # the point of swapping: the resident job does not fit
-            baseline = {"oom": str(err).splitlines()[0]}
+            try:
+                with device_context(cfg, plan) as where:
+                    out.print(where)
+                    summary = run(cfg, out, modeled=modeled, guard=guard, progress_state=state)
+            except KeyboardInterrupt:  # before the engine existed (simulator start-up)
+                raise Interrupted(resumed_step or 0, Path(cfg.train.resume) if cfg.train.resume else None) from None
+            baseline = None
+            if cfg.train.compare_resident and cfg.optim.swap_optimizer:
+                gc.collect()
+                try:
+                    with device_context(cfg, plan):
+                        baseline = run(resident_baseline(cfg), out, label="resident baseline", modeled=modeled,
+                                       guard=guard)
+                except torch.OutOfMemoryError as err:  # the point of swapping: the resident job does not fit
+                    baseline = {"oom": str(err).splitlines()[0]}
+                except (Interrupted, KeyboardInterrupt):
+                    if main_rank:
+                        console.print("interrupted during the resident baseline; training itself had finished")
+                    return EXIT_INTERRUPTED
+        except ConfigError as err:  # the swap engine refused the optimizer: nothing was trained or written
+            return _error(console, err)
+        except Interrupted as stop:
+            if main_rank:
+                console.print(interrupted_line(stop.step, stop.checkpoint, raw_args))
+            return EXIT_INTERRUPTED
     if main_rank:
-        print_summary(console, summary, baseline)
+        print_summary(console, summary, baseline, plan)
     return 0
 
 

@@ -145,3 +145,49 @@ def test_cli_sim_writes_table_json_and_charts(tmp_path, capsys):
     assert main(["--render", str(tmp_path / f"{stem}.json")]) == 0
     assert (tmp_path / f"{stem}.md").read_text() == md
     assert (tmp_path / f"{stem}-chart.png").exists()
+
+
+def _size(ratios: dict[str, float], peaks: dict[str, int]):
+    from swapopt.bench.measure import Bandwidth
+    from swapopt.bench.run import Row, SizeResult
+
+    rows = [Row(size_b=0.1, numel=1, kind="swapopt" if k.startswith("swapopt") else k, label=k, reproduces=k,
+                step_ms=r, ratio=r, peak_extra_bytes=peaks[k]) for k, r in ratios.items()]
+    bw = Bandwidth(chunk_bytes=1, h2d_alone=1, d2h_alone=1, h2d_both=1, d2h_both=1)
+    return SizeResult(size_b=0.1, shape=shape_for(0.001), numel=1, state_bytes=8, bandwidth=bw, resident_ms=0.1,
+                      bound_ms=1.0, rows=rows)
+
+
+def test_chart_keeps_the_near_bound_range_readable_and_has_a_memory_panel():
+    from swapopt.bench.plots import RATIO_FLOOR, bar_figure
+
+    ratios = {"resident": 0.07, "swapopt t=16 s=3": 1.07, "swapopt t=64 s=3": 1.02, "host-step": 6.5}
+    peaks = {"resident": 0, "swapopt t=16 s=3": 162 << 20, "swapopt t=64 s=3": 38 << 20, "host-step": 0}
+    fig = bar_figure([_size(ratios, peaks)], "t")
+    ratio_ax, mem_ax = fig.axes
+    low, high = ratio_ax.get_ylim()
+    # 1.00-1.10 spans at least a quarter of the axis: the 6.5x bar does not squash it.
+    assert low == RATIO_FLOOR and (1.1 - 1.0) / (high - low) > 0.25
+    texts = [t.get_text() for t in ratio_ax.texts]
+    assert "1.07x" in texts and "1.02x" in texts and "0.07x" in texts
+    assert "6.50x\nclipped" in texts
+    assert mem_ax.get_yscale() == "log" and {"162", "38", "0"} <= {t.get_text() for t in mem_ax.texts}
+
+
+@pytest.mark.usefixtures("quiet_library_after")
+def test_timeline_title_counts_the_chunks_it_shows(tmp_path, monkeypatch):
+    import swapopt.bench.plots as plots
+
+    seen = []
+    real = plots.timeline_chart
+
+    def spy(spans, path, title):
+        seen.append((len({s.chunk for s in spans if s.chunk is not None}), title))
+        return real(spans, path, title)
+
+    monkeypatch.setattr(plots, "timeline_chart", spy)
+    assert main(["--sim", "h100", "--sizes", "0.001", "--times", "16", "--slots", "3", "--strategies", "swapopt",
+                 "--e2e", "none", "--out", str(tmp_path), "--no-progress"]) == 0
+    ((chunks, title),) = seen
+    assert chunks > 1 and title.startswith(f"one swapopt step: {chunks} chunks, 3 slots")
+    assert "(modeled)" in title

@@ -122,14 +122,17 @@ def test_cpu_steps_in_place_and_logs_once(clean_device_env, logs):
     ps = [torch.nn.Parameter(torch.randn(30)) for _ in range(2)]
     rs = [torch.nn.Parameter(p.detach().clone()) for p in ps]
     opt, ref = SwapOptimizer(O.AdamW(ps, lr=1e-2)), O.AdamW(rs, lr=1e-2)
-    for _ in range(3):
-        for p, r in zip(ps, rs):
-            p.grad = r.grad = torch.randn(30)
-        opt.step()
-        ref.step()
+    with pytest.warns(UserWarning, match="no accelerator or simulator is active") as caught:
+        for _ in range(3):
+            for p, r in zip(ps, rs):
+                p.grad = r.grad = torch.randn(30)
+            opt.step()
+            ref.step()
     assert all(torch.equal(p, r) for p, r in zip(ps, rs))
     assert torch.equal(opt.state[ps[0]]["exp_avg"], ref.state[rs[0]]["exp_avg"])
     assert sum("in place" in m for _, m in logs) == 1
+    ours = [w for w in caught if "in place" in str(w.message)]
+    assert len(ours) == 1 and ours[0].filename == __file__  # said once, pointing at the caller of step()
 
 
 def test_step_hooks_run_once_per_step(sim):
@@ -296,3 +299,169 @@ def test_dtensor_params_single_rank(sim):
     finally:
         if own_group:
             dist.destroy_process_group()
+
+
+class _Lamb(O.Optimizer):
+    """LAMB-style: a trust ratio from the global grad norm over group["params"], a group-level step."""
+
+    def __init__(self, params, lr=1e-2):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            norm = torch.sqrt(sum((p.grad.float() ** 2).sum() for p in group["params"] if p.grad is not None))
+            group["step"] = group.get("step", 0) + 1
+            for p in group["params"]:
+                st = self.state[p]
+                st.setdefault("exp_avg", torch.zeros_like(p)).lerp_(p.grad, 0.1)
+                p.add_(st["exp_avg"] / (norm + 1e-6), alpha=-group["lr"])
+
+
+def test_cross_param_optimizer_refused_unless_opted_in(sim):
+    ps = [torch.nn.Parameter(torch.randn(300)) for _ in range(3)]
+    with pytest.raises(ValueError, match=r"not known to be a per-param optimizer.*per_param=True"):
+        SwapOptimizer(_Lamb(ps))
+    # opted in: its group-level write is still caught, naming the key, on the first chunk
+    opt = SwapOptimizer(_Lamb(ps), per_param=True, swap_optimizer_times=3)
+    with pytest.raises(RuntimeError, match=r"wrote param_groups\[0\]\['step'\]"):
+        _step_all(opt, ps)
+
+
+def test_register_per_param(sim):
+    import swapopt
+
+    class Plain(O.Optimizer):
+        def __init__(self, params):
+            super().__init__(params, {"lr": 0.1})
+
+        @torch.no_grad()
+        def step(self, closure=None):
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        st = self.state[p]
+                        st["mom"] = st.get("mom", torch.zeros_like(p)).mul_(0.9).add_(p.grad)
+                        p.sub_(st["mom"], alpha=group["lr"])
+
+    ps = [torch.nn.Parameter(torch.randn(50)) for _ in range(3)]
+    rs = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    with pytest.raises(ValueError, match="register_per_param"):
+        SwapOptimizer(Plain(ps))
+    assert swapopt.register_per_param(Plain) is Plain
+    opt, ref = SwapOptimizer(Plain(ps), swap_optimizer_times=3), Plain(rs)
+    for _ in range(3):
+        for p, r in zip(ps, rs):
+            p.grad = r.grad = torch.randn(50)
+        opt.step()
+        ref.step()
+    opt.wait_for_swap_out()
+    assert all(torch.equal(p, r) for p, r in zip(ps, rs))
+    assert all(sim.is_host(opt.state[p]["mom"]) for p in ps)
+
+
+def test_sparse_grads_name_the_alternative(sim):
+    emb = torch.nn.Embedding(10, 4, sparse=True)
+    opt = SwapOptimizer(O.Adam(emb.parameters()))
+    emb(torch.tensor([1, 2])).sum().backward()
+    with pytest.raises(RuntimeError, match="SparseAdam unwrapped"):
+        opt.step()
+
+
+def test_host_params_step_in_place_and_meta_gets_torchs_error(sim):
+    dev_p = torch.nn.Parameter(torch.randn(100))
+    host_p = torch.nn.Parameter(torch.tensor([1.0, 2.0, 3.0]))  # a literal: host memory on the simulator
+    assert sim.is_host(host_p) and not sim.is_host(dev_p)
+    rs = [torch.nn.Parameter(dev_p.detach().clone()), torch.nn.Parameter(host_p.detach().clone())]
+    opt, ref = SwapOptimizer(O.AdamW([dev_p, host_p], lr=0.1)), O.AdamW(rs, lr=0.1)
+    for _ in range(3):
+        gs = [torch.randn(100), torch.tensor([0.5, -1.0, 2.0])]
+        for p, r, g in zip((dev_p, host_p), rs, gs):
+            p.grad, r.grad = g.clone(), g.clone()
+        opt.step()
+        ref.step()
+    opt.wait_for_swap_out()
+    assert torch.equal(dev_p, rs[0]) and torch.equal(host_p, rs[1])
+    assert torch.equal(opt.state[host_p]["exp_avg"], ref.state[rs[1]]["exp_avg"])
+    meta = torch.nn.Parameter(torch.empty(4, device="meta"))
+    meta.grad = torch.empty(4, device="meta")
+    opt2 = SwapOptimizer(O.SGD([meta], lr=0.1, momentum=0.9))
+    ref_meta = torch.nn.Parameter(torch.empty(4, device="meta"))
+    ref_meta.grad = torch.empty(4, device="meta")
+    try:
+        O.SGD([ref_meta], lr=0.1, momentum=0.9).step()
+        torch_error = None
+    except Exception as exc:  # noqa: BLE001 - whatever torch says is the reference
+        torch_error = exc
+    if torch_error is None:
+        opt2.step()  # torch accepts meta params: so do we, in place
+    else:
+        with pytest.raises(type(torch_error)) as got:
+            opt2.step()
+        assert "Cannot copy out of meta tensor" not in str(got.value)
+
+
+def test_swap_stats_after_a_failed_step(sim):
+    ps = [torch.nn.Parameter(torch.randn(1000)) for _ in range(2)]
+    opt = SwapOptimizer(O.AdamW(ps, lr=1e-2), swap_optimizer_times=2)
+    _step_all(opt, ps)
+    good = opt.swap_stats()
+    assert not good.failed and good.step_ms and good.last_error is None
+    real = opt._step_fn
+
+    def boom(o, **kw):
+        raise ValueError("injected")
+
+    opt._step_fn = boom
+    for p in ps:
+        p.grad = torch.randn(1000)
+    with pytest.raises(ValueError):
+        opt.step()
+    opt._step_fn = real
+    bad = opt.swap_stats()
+    assert bad.failed and "injected" in bad.last_error
+    # the last successful step's counters, its own start and end events (never paired across steps)
+    assert bad.model_copy(update={"failed": False, "last_error": None}) == good
+    _step_all(opt, ps)
+    assert not opt.swap_stats().failed and opt.swap_stats().steps == 2
+
+
+class _Momentum(O.Optimizer):
+    """A third-party per-param optimizer (not registered)."""
+
+    def __init__(self, params, lr=0.1):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    st = self.state[p]
+                    st["mom"] = st.get("mom", torch.zeros_like(p)).mul_(0.9).add_(p.grad)
+                    p.sub_(st["mom"], alpha=group["lr"])
+
+
+def test_opted_in_wrapper_copies_stay_opted_in(sim):
+    import copy
+
+    ps = [torch.nn.Parameter(torch.randn(40)) for _ in range(2)]
+    opt = SwapOptimizer(_Momentum(ps), per_param=True, swap_optimizer_times=2)
+    _step_all(opt, ps)
+    twin = copy.deepcopy(opt)
+    assert twin.per_param and isinstance(twin.optimizer, _Momentum)
+    _step_all(twin, twin.optimizer.param_groups[0]["params"])
+
+
+def test_per_param_reaches_the_wrapper_from_config_and_class_form(sim):
+    from swapopt import swap_class
+
+    ps = [torch.nn.Parameter(torch.randn(40)) for _ in range(2)]
+    with pytest.raises(ValueError, match="per_param=True"):
+        SwapConfig(swap_optimizer=True).wrap(_Momentum(ps))
+    assert SwapConfig(swap_optimizer=True, per_param=True).wrap(_Momentum(ps)).per_param
+    with pytest.raises(ValueError, match="per_param=True"):
+        swap_class(_Momentum)(ps, lr=0.1)
+    opt = swap_class(_Momentum)(ps, lr=0.1, per_param=True, swap_optimizer_times=2)
+    assert opt.per_param and isinstance(opt.optimizer, _Momentum)
+    _step_all(opt, ps)

@@ -224,3 +224,59 @@ def test_parity_scheduler_clipping_closure_zero_grad():
         opt.wait_for_swap_out()
         assert opt.param_groups[0]["lr"] == ref.param_groups[0]["lr"] == 1e-2 * 0.5**3
     assert_parity(list(model.parameters()), opt, list(refm.parameters()), ref)
+
+
+def _layout_param(layout: str) -> torch.Tensor:
+    if layout == "channels_last":
+        return torch.randn(4, 6, 9, 8).contiguous(memory_format=torch.channels_last)
+    return torch.randn(40, 33).t()  # transposed
+
+
+FUSED = {
+    "adam_fused": lambda ps: O.Adam(ps, lr=1e-2, fused=True),
+    "adamw_fused": lambda ps: O.AdamW(ps, lr=1e-2, weight_decay=0.1, fused=True),
+    "sgd_momentum_fused": lambda ps: O.SGD(ps, lr=1e-2, momentum=0.9, fused=True),
+    "adagrad_fused": lambda ps: O.Adagrad(ps, lr=1e-2, fused=True),
+}
+
+
+@pytest.mark.parametrize("chunk_mb", [None, 2 / 1024], ids=["whole", "split"])
+@pytest.mark.parametrize("layout", ["channels_last", "transposed"])
+@pytest.mark.parametrize("name", sorted(FUSED))
+def test_fused_on_non_contiguous_params(name, layout, chunk_mb):
+    # Fused kernels pair param, grad and state elements by memory position: host states keep the param's
+    # dense layout, split pieces follow memory order.
+    torch.manual_seed(0)
+    with simulator.activate():
+        p = torch.nn.Parameter(_layout_param(layout))
+        r = torch.nn.Parameter(p.detach().clone())
+        assert r.stride() == p.stride() and not p.is_contiguous()
+        opt = SwapOptimizer(FUSED[name]([p]), chunk_mb=chunk_mb)
+        ref = FUSED[name]([r])
+        for _ in range(4):
+            g = torch.empty_like(p).copy_(torch.randn(p.shape))  # autograd's layout: the param's
+            p.grad, r.grad = g.clone(), g.clone()
+            opt.step()
+            ref.step()
+        opt.wait_for_swap_out()
+        if chunk_mb is not None:
+            assert len(opt._prepared.plan.chunks) > 1
+        assert torch.equal(p, r)
+        for key, value in ref.state[r].items():
+            assert opt.state[p][key].stride() == value.stride(), key
+            assert torch.equal(opt.state[p][key], value), key
+
+
+def test_zero_element_params_only():
+    # every param with a grad has zero elements: steps 1, 2, 3 run and count as torch counts them
+    ps, opt, rs, ref = run_pair(lambda g: O.AdamW(g, lr=1e-2), sizes=((0,), (3, 0)), steps=3)
+    assert_parity(ps, opt, rs, ref)
+    assert all(opt.state[p]["step"] == 3 for p in ps)
+
+
+def test_no_state_entries_torch_would_not_make():
+    # SGD without momentum keeps no state: no empty per-param entries either
+    ps, opt, rs, ref = run_pair(lambda g: O.SGD(g, lr=1e-2), steps=2, chunk_mb=2 / 1024)
+    assert_parity(ps, opt, rs, ref)
+    assert ref.state_dict()["state"] == {}
+    assert opt.state_dict()["state"] == {} and len(opt.state) == 0

@@ -156,3 +156,19 @@ def test_bad_knobs():
         make_plan([], times=0)
     with pytest.raises(ValueError, match="swap_optimizer_times"):
         budget_for(10, 0)
+
+
+def test_budget_holds_region_padding():
+    # 400 tiny params with two states each: every region is padded to SLOT_ALIGN bytes in the slot, so
+    # the budget must hold the padding too (each chunk's padded bytes stay within it).
+    from swapopt.plan import SLOT_ALIGN
+
+    sizes = [ParamSize(i, 7, 7 * 8, True, regions=2) for i in range(400)]
+    budget = 4096
+    chunks = chunk_pieces(sizes, budget, ALIGN)
+    _check_cover(sizes, chunks)
+    for c in chunks:
+        padded = sum(2 * (-(-(p.numel * 4) // SLOT_ALIGN) * SLOT_ALIGN) for p in c.pieces)
+        assert padded <= c.nbytes <= budget
+    plan = make_plan(sizes, times=8, align=ALIGN)
+    assert len(plan.chunks) <= 8 and plan.max_chunk_bytes <= plan.budget

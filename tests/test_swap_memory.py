@@ -181,3 +181,49 @@ def test_capped_device_trains_only_with_swap():
         _train(dev, m, opt, steps=4)
         assert dev.max_memory_allocated() <= cap
         assert opt.swap_stats().steps == 4
+
+
+@pytest.mark.parametrize("slots", [1, 3])
+def test_cap_holds_for_a_grad_laid_out_unlike_its_param(slots):
+    # A transposed grad on a contiguous param is gathered piece by piece into the slot, never copied
+    # whole, so (slots + 1) x budget holds from the first step on; the result stays bitwise.
+    budget_mb = 0.25
+    with simulator.activate() as dev:
+        torch.manual_seed(0)
+        p = torch.nn.Parameter(torch.randn(512, 512))
+        r = torch.nn.Parameter(p.detach().clone())
+        opt = SwapOptimizer(O.AdamW([p], lr=1e-3, foreach=True), chunk_mb=budget_mb, slots=slots)
+        ref = O.AdamW([r], lr=1e-3, foreach=True)
+        for step in range(3):
+            g = torch.randn(512, 512).t()  # not the param's layout
+            assert not g.is_contiguous()
+            p.grad, r.grad = g.clone(memory_format=torch.preserve_format), g.clone(memory_format=torch.preserve_format)
+            base = dev.memory_allocated()
+            dev.reset_peak_memory_stats()
+            opt.step()
+            extra = dev.max_memory_allocated() - base
+            ref.step()
+            cap = (slots + 1) * budget_mb * MiB
+            assert extra <= cap, f"step {step}: {extra / MiB:.2f} MiB > {cap / MiB:.2f} MiB"
+            assert opt._prepared.plan.max_chunk_bytes <= budget_mb * MiB
+        opt.wait_for_swap_out()
+        assert torch.equal(p, r)
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(opt.state[p][k], ref.state[r][k]), k
+
+
+def test_cap_counts_region_alignment():
+    # 400 params of 7 elements: each state region is padded to 64 bytes inside the chunk budget.
+    budget = 8 * KiB
+    with simulator.activate() as dev:
+        params = [torch.nn.Parameter(torch.randn(7)) for _ in range(400)]
+        opt = SwapOptimizer(O.AdamW(params, lr=1e-3, foreach=True), chunk_mb=budget / MiB, slots=3)
+        for step in range(3):
+            _grads(params)
+            base = dev.memory_allocated()
+            dev.reset_peak_memory_stats()
+            opt.step()
+            extra = dev.max_memory_allocated() - base
+            assert extra <= 4 * budget, f"step {step}: {extra} > 4 x {budget}"
+            slot = opt._prepared.slot_bytes
+            assert slot <= budget, (slot, budget)

@@ -29,13 +29,13 @@ def test_main_job_short_run_reports_swap_and_resident_peaks(clean_device_env, tm
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "no accelerator found: running on the simulated h100 device" in out
-    assert "step     3  loss" in out and "swapped" in out
+    assert "step     3  loss" in out and "swap in" in out and "(modeled)" in out
     assert "losses of the first 2 steps bitwise equal to the resident baseline: True" in out
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(r["swap_bytes"] > 0 and r["mem_peak_bytes"] > 0 for r in rows)
     swap_peak = float(out.split("peak device memory, swap_optimizer=True: ")[1].split(" MiB")[0])
-    resident_peak = float(out.split("swap_optimizer=False): ")[1].split(" MiB")[0])
+    resident_peak = float(out.split("swap_optimizer=False), peak device memory: ")[1].split(" MiB")[0])
     assert swap_peak < resident_peak
 
 
@@ -68,6 +68,10 @@ def _torchrun(*args: str) -> str:
            "-m", "swapopt.train", TINY, *args]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
+    # Under torchrun the result lines come from rank 0 only, and every log line names its rank.
+    assert done.stdout.count("done: ") == 1
+    logs = [line for line in done.stderr.splitlines() if " | INFO    | " in line]
+    assert logs and all(line.startswith(("[rank 0] ", "[rank 1] ")) for line in logs), done.stderr
     return done.stdout
 
 
@@ -91,3 +95,67 @@ def test_resident_baseline_runs_out_of_memory_where_swapping_fits(clean_device_e
     assert rc == 0, out
     assert "done: 2 steps" in out
     assert "resident baseline (swap_optimizer=False): out of device memory" in out
+
+
+def test_llm_1b_that_cannot_fit_host_ram_is_refused_before_anything_is_built(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "SWAPOPT_DEVICE"}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    cmd = [sys.executable, "-m", "swapopt.train", str(ROOT / "configs" / "llm_1b.py"), "--cfg-options",
+           "model.dim=8192", "model.n_heads=64", "model.n_layers=160"]  # 65B params: 1 TB of host RAM
+    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stdout + done.stderr
+    lines = [line for line in done.stdout.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: this job needs about ")
+    assert "train.host_ram_check=false" in lines[0]
+    assert list(tmp_path.iterdir()) == []  # work_dirs/llm_1b not created
+
+
+def test_host_ram_check_key_overrides_the_refusal():
+    from swapopt.engine.config import ConfigError, load_config
+    from swapopt.engine.preflight import Estimate, check_fits
+
+    est = Estimate(n_params=10**9, host_bytes=20 * 2**30, available_bytes=8 * 2**30, step_flops=1e12, cpu_flops=1e10)
+    with pytest.raises(ConfigError, match="host_ram_check"):
+        check_fits(load_config(TINY), est)
+    check_fits(load_config(TINY, ["train.host_ram_check=false"]), est)
+    check_fits(load_config(TINY), est.model_copy(update={"available_bytes": 32 * 2**30}))
+
+
+def test_estimate_counts_params_exactly_and_scales_with_the_job():
+    from swapopt.engine.config import load_config
+    from swapopt.engine.model import build_model
+    from swapopt.engine.preflight import count_params, estimate
+
+    cfg = load_config(TINY)
+    n = count_params(cfg)
+    assert n == sum(p.numel() for p in build_model(cfg.model, 0).parameters())
+    small, big = estimate(cfg, n), estimate(load_config(TINY, ["train.batch=32"]), n)
+    assert small.host_bytes >= 16 * n and big.host_bytes > small.host_bytes
+    assert big.step_flops == pytest.approx(4 * small.step_flops) and small.cpu_flops > 0
+
+
+def test_numpy_is_a_dependency_and_outputs_are_ignored():
+    import tomllib
+
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert any(d.split(">")[0].split("=")[0].strip() == "numpy" for d in deps)
+    ignored = (ROOT / ".gitignore").read_text().splitlines()
+    assert "work_dirs/" in ignored and "*.jsonl" in ignored
+
+
+def test_progress_bar_shows_an_eta(clean_device_env):
+    import io
+
+    from rich.console import Console
+
+    from swapopt.engine.config import load_config
+    from swapopt.engine.preflight import plan_device
+    from swapopt.train import device_context, run
+
+    cfg = load_config(TINY, [*SMALL, "train.steps=3"])
+    buffer = io.StringIO()
+    console = Console(file=buffer, force_terminal=True, width=150)
+    with device_context(cfg, plan_device(cfg)):
+        summary = run(cfg, console, modeled=True)
+    assert len(summary["losses"]) == 3
+    assert "eta" in buffer.getvalue()

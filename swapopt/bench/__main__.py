@@ -2,8 +2,8 @@
 
 Examples::
 
-    swapopt-bench                       # the current accelerator, sizes from 0.1B to the largest that fits
-    swapopt-bench --sim h100            # the simulator's modeled timeline (deterministic)
+    swapopt-bench                       # quick run: one size, every strategy (simulator when no GPU/NPU)
+    swapopt-bench --full                # the whole sweep: more sizes, chunk/slot sweeps, end to end
     swapopt-bench --sim 910b --sizes 0.1 --e2e none --out /tmp/bench
 """
 
@@ -11,21 +11,29 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
+import os
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 from loguru import logger
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 import device
-from swapopt.bench.report import Report, targets_for, write
+from swapopt.bench.report import Report, summary_table, targets_for, unique_stem, write
 from swapopt.bench.run import BenchConfig, device_label, plan_length, run_size
 from swapopt.bench.sizes import auto_sizes
 from swapopt.bench.strategies import STRATEGY_DOCS
 
 DEFAULT_OUT = Path("bench/results")
+FALLBACK_PRESET = "h100"
+# Measured on the simulator (h100 preset) with 2 CPU cores: see README's Results section.
+QUICK_COST = "under 2 minutes and 3 GB of host RAM on the simulator (2 CPU cores)"
+FULL_COST = "about 10 minutes and 13 GB of host RAM on the simulator (2 CPU cores)"
+QUICK = dict(sim_sizes=[0.1], times=[16, 64], slots=[3], reference_times=[16])
+FULL = dict(sim_sizes=[0.1, 0.5], times=[8, 16, 32, 64], slots=[2, 3], reference_times=[16, 64])
 SIM_NOTE = (
     "Simulated: every time is the timeline model's (copies = bytes / link rate, updates = bytes touched / "
     "HBM rate, launch_us of host time per op), so once copies dwarf launches a step's time is linear in "
@@ -44,13 +52,19 @@ def _ints(text: str) -> list[int]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="swapopt-bench", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--sim", metavar="PRESET", help="run on the simulator with this preset (h100, 910b)")
-    ap.add_argument("--sizes", type=_floats, help="model sizes in billions of params (default: 0.1,0.5 on the "
-                    "simulator; 0.1 up to the largest that fits on a device)")
+    ap.add_argument("--full", action="store_true",
+                    help=f"the whole sweep ({', '.join(f'{k} {v}' for k, v in FULL.items())}, end to end on "
+                    f"an engine config) instead of the quick run ({', '.join(f'{k} {v}' for k, v in QUICK.items())}); "
+                    f"full: {FULL_COST}; quick: {QUICK_COST}")
+    ap.add_argument("--sim", metavar="PRESET", help="run on the simulator with this preset (h100, 910b); "
+                    f"without a GPU/NPU the simulator's {FALLBACK_PRESET} preset is used anyway")
+    ap.add_argument("--sizes", type=_floats, help="model sizes in billions of params (default on the simulator: "
+                    f"{QUICK['sim_sizes']}, --full {FULL['sim_sizes']}; on a device the largest up to 1B that fits, "
+                    "--full 0.1 up to the largest that fits)")
     ap.add_argument("--impl", choices=["fused", "foreach"], default="fused", help="AdamW kernel of every strategy")
-    ap.add_argument("--times", type=_ints, default=[8, 16, 32, 64], help="swapopt swap_optimizer_times sweep")
-    ap.add_argument("--slots", type=_ints, default=[2, 3], help="swapopt slots sweep")
-    ap.add_argument("--reference-times", type=_ints, default=[16, 64], help="one-in-flight chunkings")
+    ap.add_argument("--times", type=_ints, help="swapopt swap_optimizer_times sweep")
+    ap.add_argument("--slots", type=_ints, help="swapopt slots sweep")
+    ap.add_argument("--reference-times", type=_ints, help="one-in-flight chunkings")
     ap.add_argument("--strategies", default=",".join(STRATEGY_DOCS),
                     help=f"comma-separated subset of: {', '.join(STRATEGY_DOCS)}")
     ap.add_argument("--warmup", type=int, default=None, help="warm-up steps (default 2; 1 simulated)")
@@ -59,9 +73,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--sanitize", action="store_true",
                     help="keep the simulator's stream sanitizer on (the tests do; off here it runs about 2x faster)")
     ap.add_argument("--e2e", default=None, help="engine configs for the train-step comparison, comma-separated "
-                    "(default: tiny on the simulator, llm_1b on a device); 'none' to skip")
+                    "(default: none; with --full tiny on the simulator, llm_1b on a device); 'none' to skip")
     ap.add_argument("--e2e-steps", type=int, default=6, help="train steps per end-to-end run (first 2 are warm-up)")
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder (default bench/results)")
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder (default bench/results); "
+                    "existing results are never overwritten (a -2, -3... suffix is added)")
     ap.add_argument("--tag", default="", help="suffix of the output file names (DEVICE-DATE-TAG.json ...)")
     ap.add_argument("--render", type=Path, metavar="JSON", help="only rebuild the markdown and chart of a results JSON")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -72,24 +87,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def _progress(disabled: bool) -> Progress:
     return Progress(
         TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        disable=disabled, transient=False,
+        TextColumn("eta"), TimeRemainingColumn(), disable=disabled, transient=False,
     )
 
 
 def _run(args: argparse.Namespace) -> list[Path]:
     simulated = device.get_device() == "sim"
-    sizes = args.sizes or ([0.1, 0.5] if simulated else auto_sizes())
+    sweep = FULL if args.full else QUICK
+    if args.sizes:
+        sizes = args.sizes
+    elif simulated:
+        sizes = sweep["sim_sizes"]
+    else:
+        fitting = auto_sizes()
+        sizes = fitting if args.full else [max([b for b in fitting if b <= 1.0] or fitting[:1])]
     cfg = BenchConfig(
-        sizes=sizes, impl=args.impl, times=args.times, slots=args.slots, reference_times=args.reference_times,
+        sizes=sizes, impl=args.impl, times=args.times or sweep["times"], slots=args.slots or sweep["slots"],
+        reference_times=args.reference_times or sweep["reference_times"],
         strategies=[s for s in args.strategies.split(",") if s],
         warmup=args.warmup if args.warmup is not None else (1 if simulated else 2),
         repeats=args.repeats if args.repeats is not None else (1 if simulated else 5),
     )
-    e2e_configs = [c for c in (args.e2e or ("tiny" if simulated else "llm_1b")).split(",") if c and c != "none"]
+    default_e2e = ("tiny" if simulated else "llm_1b") if args.full else "none"
+    e2e_configs = [c for c in (args.e2e or default_e2e).split(",") if c and c != "none"]
     mod = device.get_torch_device_module()
     label = device_label()
-    stem = f"{label}-{datetime.now(timezone.utc):%Y-%m-%d}" + (f"-{args.tag}" if args.tag else "")
     args.out.mkdir(parents=True, exist_ok=True)
+    stem = unique_stem(args.out, f"{label}-{datetime.now(timezone.utc):%Y-%m-%d}" + (f"-{args.tag}" if args.tag else ""))
     logger.info("benchmark on {} (torch {}), sizes {} B params", label, torch.__version__, sizes)
 
     from swapopt.bench.plots import timeline_chart
@@ -103,7 +127,11 @@ def _run(args: argparse.Namespace) -> list[Path]:
         spans = capture_step(strategy)
         if spans:
             path = args.out / f"{stem}-timeline.png"
-            timeline_png.append(timeline_chart(spans, path, f"one swapopt step ({strategy.label}), {label}"))
+            # Title from what is drawn: the planner may make fewer chunks than swap_optimizer_times asks for.
+            chunks = len({s.chunk for s in spans if s.chunk is not None})
+            title = (f"one swapopt step: {chunks} chunks, {strategy.slots} slots "
+                     f"(swap_optimizer_times={strategy.times}), {label}" + (" (modeled)" if simulated else ""))
+            timeline_png.append(timeline_chart(spans, path, title))
 
     results = []
     with _progress(args.no_progress) as progress:
@@ -134,7 +162,8 @@ def _write_outputs(report: Report, out: Path, stem: str, timeline: Path | None) 
     """JSON, markdown (linking the step timeline when there is one) and bar chart."""
     from swapopt.bench.plots import bar_chart
 
-    chart = bar_chart(report.sizes, out / f"{stem}-chart.png", f"AdamW step / bound, {report.device_name}")
+    modeled = " (modeled)" if report.device == "sim" else ""
+    chart = bar_chart(report.sizes, out / f"{stem}-chart.png", f"AdamW step / bound, {report.device_name}{modeled}")
     json_path, md_path = write(report, out, stem, chart.name, timeline.name if timeline else None)
     return [json_path, md_path, chart] + ([timeline] if timeline else [])
 
@@ -147,22 +176,54 @@ def _render(path: Path) -> list[Path]:
     return _write_outputs(report, path.parent, path.stem, timeline if timeline.exists() else None)
 
 
+def _error(text: str) -> int:
+    print(f"error: {text}")
+    return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    try:
+        importlib.import_module("matplotlib")
+    except ImportError:
+        return _error("the benchmark draws its charts with matplotlib, which is not installed: "
+                      "pip install 'swapopt[bench]'")
+    if (os.environ.get("SWAPOPT_DEVICE") or "").strip().lower() == "cpu" and not args.render:
+        return _error("SWAPOPT_DEVICE=cpu: the benchmark compares device-side strategies and needs a GPU/NPU or "
+                      "the simulator; unset SWAPOPT_DEVICE (without an accelerator the simulator is used)")
+    try:
+        kind = "sim" if args.sim or args.render else device.get_device()
+        if args.sim:
+            from device import sim
+
+            if args.sim.lower() not in sim.PRESETS:
+                raise ValueError(f"unknown simulator preset {args.sim!r}; choose one of: {', '.join(sim.PRESETS)}")
+    except (ValueError, RuntimeError) as err:
+        return _error(" ".join(str(err).split()))
     logger.remove()
     logger.add(sys.stderr, level="DEBUG" if args.verbose else "INFO")
     logger.enable("swapopt")
     logger.enable("device")
+    preset = args.sim
+    if not args.render and kind == "cpu":
+        preset = FALLBACK_PRESET
+        print(f"no accelerator found: running on the simulated {preset} device (times are modeled; "
+              "--sim PRESET picks another preset)")
+    mode = "full sweep" if args.full else "quick run (--full for the whole sweep)"
     if args.render:
         paths = _render(args.render)
-    elif args.sim:
+    elif preset:
         from device import sim
 
+        print(f"{mode}: {FULL_COST if args.full else QUICK_COST}")
         # Simulated tensors are real host memory; the preset's capacity stands for the device's.
-        with sim.activate(args.sim, sanitize=args.sanitize):
+        with sim.activate(preset, sanitize=args.sanitize):
             paths = _run(args)
     else:
+        print(mode)
         paths = _run(args)
+    report = Report.model_validate_json(paths[0].read_text())
+    print(summary_table(report))
     for p in paths:
         print(p)
     return 0

@@ -157,3 +157,46 @@ def write(report: Report, out_dir: Path, stem: str, chart: str | None, timeline:
     json_path.write_text(json.dumps(report.model_dump(mode="json"), indent=1))
     md_path.write_text(markdown(report, chart, timeline))
     return json_path, md_path
+
+
+def unique_stem(out_dir: Path, stem: str) -> str:
+    """``stem``, or ``stem-2``, ``stem-3``... so that no earlier result (JSON, markdown, chart) is overwritten."""
+    def taken(candidate: str) -> bool:
+        return any(out_dir.glob(f"{candidate}.*")) or any(out_dir.glob(f"{candidate}-chart.png")) \
+            or any(out_dir.glob(f"{candidate}-timeline.png"))
+
+    if not taken(stem):
+        return stem
+    n = 2
+    while taken(f"{stem}-{n}"):
+        n += 1
+    return f"{stem}-{n}"
+
+
+def summary_table(report: Report) -> str:
+    """The answer in one table: each strategy's step time over the bound per size, and its peak extra
+    device memory at the largest size; modeled figures say so."""
+    sizes = report.sizes
+    labels: list[str] = []
+    docs: dict[str, str] = {}
+    for s in sizes:
+        for r in s.rows:
+            if r.label not in labels:
+                labels.append(r.label)
+                docs[r.label] = r.reproduces
+    modeled = " (modeled)" if report.device == "sim" else ""
+    last = sizes[-1] if sizes else None
+    head = "| strategy | reproduces | " + " | ".join(f"{s.size_b:g}B x bound{modeled}" for s in sizes)
+    head += f" | peak extra MB ({last.size_b:g}B) |" if last else " |"
+    lines = [f"step time / bound on {report.device_name}{modeled}; bound = max(H2D, D2H, resident step)", "",
+             head, "|---|---|" + "---:|" * (len(sizes) + (1 if last else 0))]
+    for label in labels:
+        cells = []
+        for s in sizes:
+            row = next((r for r in s.rows if r.label == label), None)
+            cells.append("-" if row is None or row.ratio is None else f"{row.ratio:.2f}x" + (f" {row.note}" if row.note else ""))
+        if last:
+            row = next((r for r in last.rows if r.label == label), None)
+            cells.append(_mb(row.peak_extra_bytes if row else None))
+        lines.append(f"| {label} | {docs[label]} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)

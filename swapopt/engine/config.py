@@ -10,6 +10,7 @@ forbids unknown keys, so a typo fails at start with a message naming the key.
 from __future__ import annotations
 
 import ast
+import difflib
 import inspect
 import runpy
 from pathlib import Path
@@ -126,6 +127,8 @@ class TrainConfig(_Strict):
     sim_preset: str = "h100"  # simulator preset when no accelerator is found (or device="sim")
     sim_capacity_mb: Optional[float] = Field(default=None, gt=0)
     compare_resident: int = Field(default=0, ge=0)  # >0: afterwards run this many steps with swapping off
+    save_on_interrupt: bool = False  # Ctrl-C: write a checkpoint of the last finished step before exiting
+    host_ram_check: bool = True  # on the simulator/CPU: refuse a job whose estimated host RAM exceeds what is free
 
 
 class RLConfig(_Strict):
@@ -165,23 +168,41 @@ def parse_cfg_options(options: Iterable[str]) -> dict[str, Any]:
     return parsed
 
 
-def _read_file(path: Path, options: dict[str, Any]) -> dict[str, Any]:
-    """The file's top-level keys with ``options`` merged in: through mmengine.Config when installed
-    (``_base_`` inheritance and the rest), else plain Python variables or YAML."""
+def _load_file(path: Path) -> Any:
+    """Parse ``path`` with mmengine.Config when installed (``_base_`` inheritance), else plainly; any parse
+    failure becomes a one-line ConfigError naming the file and the position."""
     try:
         from mmengine import Config
     except ImportError:
         Config = None
-    if Config is not None:
-        cfg = Config.fromfile(str(path))
-        cfg.merge_from_dict(options)
-        return cfg.to_dict()
-    if path.suffix in (".yaml", ".yml"):
-        raw = yaml.safe_load(path.read_text()) or {}
-    elif path.suffix == ".py":
-        raw = runpy.run_path(str(path))
-    else:
+    try:
+        if Config is not None:
+            return Config.fromfile(str(path))
+        if path.suffix in (".yaml", ".yml"):
+            return yaml.safe_load(path.read_text()) or {}
+        return runpy.run_path(str(path))
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ConfigError(f"{path}:{where}: YAML syntax error: {problem}") from None
+    except SyntaxError as err:
+        raise ConfigError(f"{path}: line {err.lineno}: Python syntax error: {err.msg}") from None
+    except Exception as err:  # noqa: BLE001 - mmengine wraps parse errors in its own types
+        text = " ".join(str(err).split())
+        raise ConfigError(f"{path}: cannot read config: {type(err).__name__}: {text}") from None
+
+
+def _read_file(path: Path, options: dict[str, Any]) -> dict[str, Any]:
+    """The file's top-level keys with ``options`` merged in: through mmengine.Config when installed
+    (``_base_`` inheritance and the rest), else plain Python variables or YAML."""
+    if path.suffix not in (".py", ".yaml", ".yml"):
         raise ConfigError(f"config file must be .py, .yaml or .yml: {path}")
+    loaded = _load_file(path)
+    if not isinstance(loaded, dict):  # mmengine's Config
+        loaded.merge_from_dict(options)
+        return loaded.to_dict()
+    raw = loaded
     if "_base_" in raw:
         raise ConfigError(f"{path} inherits with _base_, which needs mmengine: pip install 'swapopt[mmengine]'")
     raw = {k: v for k, v in raw.items() if not k.startswith("_") and not inspect.ismodule(v) and not callable(v)}
@@ -194,13 +215,43 @@ def _read_file(path: Path, options: dict[str, Any]) -> dict[str, Any]:
     return raw
 
 
+def _fields_at(loc: tuple[Any, ...]) -> list[str]:
+    """The valid key names of the section that holds ``loc`` (``("optim", "lrr")`` -> AdamWConfig's fields)."""
+    model: Any = EngineConfig
+    for part in loc[:-1]:
+        field = getattr(model, "model_fields", {}).get(part)
+        if field is None:
+            return []
+        annotation = field.annotation
+        candidates = [annotation, *getattr(annotation, "__args__", ())]  # Optional[RLConfig]
+        model = next((c for c in candidates if inspect.isclass(c) and issubclass(c, BaseModel)), None)
+        if model is None:
+            return []
+    return list(getattr(model, "model_fields", {}))
+
+
+def suggest(key: str, valid: Iterable[str]) -> str:
+    """' (did you mean X?)' for the nearest valid key, or ''."""
+    close = difflib.get_close_matches(key, list(valid), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
 def _describe(err: ValidationError) -> str:
-    lines = []
+    """One line naming every bad key; an unknown key gets the nearest valid one suggested."""
+    parts = []
     for e in err.errors():
-        key = ".".join(str(p) for p in e["loc"]) or "<config>"
+        loc = tuple(p for p in e["loc"] if not str(p).startswith("function-"))
+        key = ".".join(str(p) for p in loc) or "<config>"
+        if e["type"] == "extra_forbidden":
+            prefix = ".".join(str(p) for p in loc[:-1])
+            hint = suggest(str(loc[-1]), _fields_at(loc))
+            if hint:
+                hint = f" (did you mean {prefix + '.' if prefix else ''}{hint[len(' (did you mean '):]}"
+            parts.append(f"{key}: unknown key{hint}")
+            continue
         got = "" if e["type"] == "missing" else f" (got {e.get('input')!r})"
-        lines.append(f"{key}: {e['msg']}{got}")
-    return "bad config:\n  " + "\n  ".join(lines)
+        parts.append(f"{key}: {e['msg']}{got}")
+    return "bad config: " + "; ".join(parts)
 
 
 def validate(raw: dict[str, Any]) -> EngineConfig:

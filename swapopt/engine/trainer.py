@@ -7,10 +7,13 @@ in a SwapOptimizer; nothing else in the engine changes, because the wrapper shar
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import time
+from collections.abc import Callable
+from typing import ContextManager
 from pathlib import Path
 from typing import Any
 
@@ -27,10 +30,10 @@ from swapopt import SwapOptimizer
 from swapopt.engine.config import EngineConfig
 from swapopt.engine.data import ByteBatches, load_tokens
 from swapopt.engine.model import build_model, logits_of, transformer_blocks
+from swapopt.engine.resume import META, resolve_checkpoint
 from swapopt.engine.schedule import lr_at
 
 _BACKENDS = {"cuda": "nccl", "npu": "hccl"}  # cpu and the simulator: gloo
-META = "trainer.json"
 
 
 def init_distributed(device_type: str) -> tuple[int, int]:
@@ -63,17 +66,6 @@ def shard_model(model: torch.nn.Module, torch_device: torch.device) -> None:
     fully_shard(model, **kwargs)
 
 
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A step directory (holding trainer.json), or a checkpoint_dir whose latest step is taken."""
-    path = Path(path)
-    if (path / META).is_file():
-        return path
-    steps = sorted(p for p in path.glob("step_*") if (p / META).is_file())
-    if not steps:
-        raise FileNotFoundError(f"no checkpoint in {path} (expected {META} or step_*/{META})")
-    return steps[-1]
-
-
 class TrainEngine:
     def __init__(self, cfg: EngineConfig) -> None:
         self.cfg = cfg
@@ -92,6 +84,8 @@ class TrainEngine:
         self.data = ByteBatches(load_tokens(cfg.data.path), tcfg.batch, tcfg.seq_len, tcfg.seed,
                                 self.rank, self.world_size)
         self.step = 0  # completed steps
+        # The part of a step that changes params and states runs inside this (the CLI's Ctrl-C guard).
+        self.critical: Callable[[], ContextManager[None]] = contextlib.nullcontext
         self.n_params = sum(p.numel() for p in self.model.parameters())  # DTensor numel is the global one
         if tcfg.resume:
             self.load_checkpoint(tcfg.resume)
@@ -140,11 +134,12 @@ class TrainEngine:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), tcfg.grad_clip)
             if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor
                 grad_norm = grad_norm.full_tensor()
-        optim_start = self._mark()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        end = self._mark()
-        self.step += 1
+        with self.critical():
+            optim_start = self._mark()
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            end = self._mark()
+            self.step += 1
 
         loss = loss.detach()
         if self.world_size > 1:
@@ -163,9 +158,11 @@ class TrainEngine:
         }
         if self.swapping:
             stats = self.optimizer.swap_stats()
-            swapped = stats.h2d_bytes + stats.d2h_bytes
-            metrics.update(swap_bytes=swapped, swap_ms=stats.step_ms,
-                           swap_gbps=swapped / stats.step_ms / 1e6 if stats.step_ms else None)
+            # Rates per direction: H2D and D2H run at once on a full-duplex link, so their sum is no link rate.
+            metrics.update(swap_bytes=stats.h2d_bytes + stats.d2h_bytes, swap_h2d_bytes=stats.h2d_bytes,
+                           swap_d2h_bytes=stats.d2h_bytes, swap_ms=stats.step_ms,
+                           h2d_gbps=stats.h2d_bytes / stats.step_ms / 1e6 if stats.step_ms else None,
+                           d2h_gbps=stats.d2h_bytes / stats.step_ms / 1e6 if stats.step_ms else None)
         return metrics
 
     # -- checkpoints ------------------------------------------------------------------------------------

@@ -1,0 +1,230 @@
+"""Start-up checks of the main job: everything that would otherwise fail after minutes of training (an
+unwritable checkpoint dir at the first save) or with a traceback (a bad device name, a missing data file).
+
+Each check raises ConfigError with one line naming the key; none of them writes anything (the write probe
+creates and removes a temporary file in the nearest existing folder).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Literal
+
+import torch
+from pydantic import BaseModel
+
+import device
+from swapopt.engine.config import ConfigError, EngineConfig, suggest
+
+GiB = 2**30
+DEVICE_ENV = "SWAPOPT_DEVICE"  # read by device.get_device()
+BASE_HOST_BYTES = GiB // 2  # the interpreter, torch and the simulator's bookkeeping
+
+
+def _probe_folder(folder: Path) -> str | None:
+    """None when a file can be created in ``folder``, else the OS's reason."""
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".swapopt-write-probe-"):
+            return None
+    except OSError as err:
+        return err.strerror or type(err).__name__
+
+
+def check_writable(path: str, key: str, kind: Literal["dir", "file"]) -> None:
+    """Raise ConfigError unless ``path`` (a folder or a file to create or append to) can be written."""
+    target = Path(path).expanduser()
+    if target.exists():
+        if kind == "dir" and not target.is_dir():
+            raise ConfigError(f"{key}={path}: exists and is not a directory")
+        if kind == "file" and target.is_dir():
+            raise ConfigError(f"{key}={path}: is a directory, expected a file path")
+        folder = target if kind == "dir" else target.parent
+    else:
+        folder = target.parent
+        while not folder.exists():
+            folder = folder.parent
+        if not folder.is_dir():
+            raise ConfigError(f"{key}={path}: cannot be created, {folder} is a file, not a directory")
+    problem = _probe_folder(folder)
+    if problem is None and kind == "file" and target.exists() and not os.access(target, os.W_OK):
+        problem = "file is read-only"
+    if problem is not None:
+        raise ConfigError(f"{key}={path}: cannot write there ({problem}: {folder})")
+
+
+def check_data(cfg: EngineConfig) -> None:
+    path = cfg.data.path
+    if path is None:
+        return
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise ConfigError(f"data.path={path}: no such file")
+    size = file.stat().st_size
+    if size <= cfg.train.seq_len + 1:
+        raise ConfigError(f"data.path={path}: {size} bytes is too short for train.seq_len={cfg.train.seq_len}")
+
+
+class DevicePlan(BaseModel):
+    """Where the job runs: "sim" (simulator with ``preset``), "plain-cpu" (neither accelerator nor simulator:
+    a SwapOptimizer steps in place) or the detected accelerator ("cuda", "npu", "sim" from the environment)."""
+
+    kind: str
+    preset: str | None = None
+    reason: str
+
+
+def _detect(requested: str | None) -> str:
+    """device.get_device() under ``SWAPOPT_DEVICE=requested`` (None: the environment as it is)."""
+    previous = os.environ.get(DEVICE_ENV)
+    if requested is not None:
+        os.environ[DEVICE_ENV] = requested
+    try:
+        return device.get_device()
+    except (ValueError, RuntimeError) as err:
+        raise ConfigError(" ".join(str(err).split())) from None
+    finally:
+        if previous is None:
+            os.environ.pop(DEVICE_ENV, None)
+        else:
+            os.environ[DEVICE_ENV] = previous
+
+
+def plan_device(cfg: EngineConfig) -> DevicePlan:
+    """Resolve ``train.device`` and ``SWAPOPT_DEVICE`` before anything runs; a bad choice is a ConfigError."""
+    tcfg = cfg.train
+    env = (os.environ.get(DEVICE_ENV) or "auto").strip().lower()
+    detected = _detect(None)  # validates SWAPOPT_DEVICE itself
+    wanted = tcfg.device
+    if wanted in ("cuda", "npu"):
+        try:
+            detected = _detect(wanted)
+        except ConfigError as err:
+            raise ConfigError(f"train.device={wanted}: {err}".replace(f"{DEVICE_ENV}={wanted} but ", "")) from None
+    explicit_cpu = wanted == "cpu" or (wanted == "auto" and env == "cpu")
+    if explicit_cpu:
+        source = "train.device=cpu" if wanted == "cpu" else f"{DEVICE_ENV}=cpu"
+        return DevicePlan(kind="plain-cpu", reason=f"{source}: plain CPU, no accelerator and no simulator")
+    if wanted == "sim" or (wanted == "auto" and detected in ("cpu", "sim")):
+        from device import sim
+
+        presets = list(sim.PRESETS)
+        if tcfg.sim_preset.lower() not in presets:
+            raise ConfigError(f"train.sim_preset={tcfg.sim_preset!r}: unknown simulator preset; choose one of: "
+                              f"{', '.join(presets)}{suggest(tcfg.sim_preset.lower(), presets)}")
+        reason = ("simulator requested" if wanted == "sim" else
+                  f"{DEVICE_ENV}=sim" if detected == "sim" else "no accelerator found")
+        return DevicePlan(kind="sim", preset=tcfg.sim_preset.lower(), reason=reason)
+    return DevicePlan(kind=detected if wanted == "auto" else wanted, reason="")
+
+
+def check_paths(cfg: EngineConfig) -> None:
+    tcfg = cfg.train
+    if tcfg.checkpoint_dir:
+        check_writable(tcfg.checkpoint_dir, "train.checkpoint_dir", "dir")
+    if tcfg.metrics_path:
+        check_writable(tcfg.metrics_path, "train.metrics_path", "file")
+    check_data(cfg)
+
+
+# -- what a CPU-backed run (simulator or plain CPU) will cost ---------------------------------------------
+class Estimate(BaseModel):
+    n_params: int
+    host_bytes: int
+    available_bytes: int | None
+    step_flops: float
+    cpu_flops: float  # measured FLOP/s of an fp32 matmul on this host
+
+    @property
+    def step_s(self) -> float:
+        return self.step_flops / self.cpu_flops
+
+
+def count_params(cfg: EngineConfig) -> int | None:
+    """Exact parameter count, from a model built on the meta device (no memory); None for HF models."""
+    if cfg.model.hf_path is not None:
+        return None
+    from swapopt.engine.model import build_model
+
+    with torch.device("meta"):
+        model = build_model(cfg.model, cfg.train.seed)
+    return sum(p.numel() for p in model.parameters())
+
+
+def available_host_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (Linux), else None."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def measure_cpu_flops(seconds: float = 0.2) -> float:
+    """FLOP/s of a 512 x 512 fp32 matmul on this host, over about ``seconds``."""
+    a = torch.randn(512, 512)
+    torch.mm(a, a)  # first call pays for thread-pool start-up
+    n, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        torch.mm(a, a)
+        n += 1
+    return 2 * 512**3 * n / (time.perf_counter() - start)
+
+
+def estimate(cfg: EngineConfig, n_params: int, local_world: int = 1) -> Estimate:
+    """Host RAM and compute of one step when the device's memory is host memory (simulator, plain CPU).
+
+    Memory: fp32 params, grads and two Adam states (16 B/param, shared across ranks by FSDP2) plus each
+    rank's activations: with checkpointing one saved input per block and one block's recompute, without it
+    every block's intermediates; logits in fp32 with their grad. Compute: 6 x params x tokens (8 with
+    recompute) plus attention's 12 x layers x seq^2 x dim per sequence."""
+    m, t = cfg.model, cfg.train
+    tokens = t.batch * t.seq_len
+    block = tokens * (10 * m.dim + 3 * m.hidden_dim) * 4
+    acts = (m.n_layers * tokens * m.dim * 4 + block) if t.gradient_checkpointing else m.n_layers * block
+    acts += 3 * tokens * m.vocab_size * 4
+    host = 16 * n_params + local_world * (acts + BASE_HOST_BYTES)
+    factor = 8 if t.gradient_checkpointing else 6
+    flops = local_world * (factor * n_params * tokens + 12 * m.n_layers * t.batch * t.seq_len**2 * m.dim)
+    return Estimate(n_params=n_params, host_bytes=host, available_bytes=available_host_bytes(),
+                    step_flops=float(flops), cpu_flops=measure_cpu_flops())
+
+
+def _fmt_s(s: float) -> str:
+    if s < 1:
+        return f"{s * 1e3:.0f} ms"
+    if s < 120:
+        return f"{s:.1f} s"
+    return f"{s / 60:.0f} min" if s < 7200 else f"{s / 3600:.1f} h"
+
+
+def describe(est: Estimate) -> str:
+    avail = "" if est.available_bytes is None else f" of {est.available_bytes / GiB:.1f} GiB available"
+    return (f"model: {est.n_params / 1e6:,.2f}M params; host RAM needed about {est.host_bytes / GiB:.1f} GiB{avail}; "
+            f"estimated about {_fmt_s(est.step_s)} per step on this CPU "
+            f"({est.step_flops / 1e9:,.0f} GFLOP at a measured {est.cpu_flops / 1e9:.0f} GFLOP/s)")
+
+
+def check_fits(cfg: EngineConfig, est: Estimate) -> None:
+    """Refuse a job that will not fit in host RAM, unless ``train.host_ram_check=false``."""
+    if not cfg.train.host_ram_check or est.available_bytes is None or est.host_bytes <= est.available_bytes:
+        return
+    raise ConfigError(
+        f"this job needs about {est.host_bytes / GiB:.1f} GiB of host RAM ({est.n_params / 1e9:.2f}B params x 16 B "
+        f"plus activations) and {est.available_bytes / GiB:.1f} GiB is available; shrink model.* or train.batch / "
+        "train.seq_len, or set train.host_ram_check=false to run anyway")
+
+
+def slow_hint(est: Estimate) -> str | None:
+    if est.step_s < 60:
+        return None
+    return (f"note: about {_fmt_s(est.step_s)} per step on this CPU: Ctrl-C stops it; smaller overrides are in "
+            "the config's comments")
+
+
+def local_world_size() -> int:
+    return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))

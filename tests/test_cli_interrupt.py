@@ -1,0 +1,106 @@
+"""Ctrl-C on a running ``python -m swapopt.train``: one line saying where to resume, exit 130, the checkpoint
+and the metrics of every finished step kept; also when one long operation holds the main thread."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "configs" / "tiny.py")
+LLM_1B = str(ROOT / "configs" / "llm_1b.py")
+SMALL = ["model.dim=32", "model.n_layers=2", "model.n_heads=2", "model.max_seq_len=16", "train.batch=2",
+         "train.seq_len=16", "train.compare_resident=0", "lr.warmup_steps=1"]
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "SWAPOPT_DEVICE"}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def _steps(path: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _wait_for(predicate, proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert proc.poll() is None, "the job ended before it could be interrupted"
+        assert time.monotonic() < deadline, "the job did not get far enough in time"
+        time.sleep(0.2)
+
+
+def _interrupt(proc: subprocess.Popen, limit_s: float) -> tuple[str, str, float]:
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    return out, err, time.monotonic() - sent
+
+
+@pytest.mark.slow
+def test_sigint_prints_resume_line_keeps_checkpoint_and_metrics(tmp_path):
+    ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
+    args = [TINY, "--cfg-options", *SMALL, "train.steps=100000", f"train.checkpoint_dir={ckpt}",
+            "train.checkpoint_interval=1000", f"train.metrics_path={metrics}", "train.save_on_interrupt=true"]
+    proc = subprocess.Popen([sys.executable, "-m", "swapopt.train", *args], cwd=tmp_path, env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for(lambda: len(_steps(metrics)) >= 3, proc, timeout=240)
+        out, err, took = _interrupt(proc, limit_s=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, out + err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("interrupted at step "), out
+    step = int(last.split("interrupted at step ")[1].split(":")[0])
+    assert step >= 3
+    saved = ckpt / f"step_{step:08d}"
+    assert f"last checkpoint {saved}; resume with: " in last
+    assert json.loads((saved / "trainer.json").read_text())["step"] == step  # save_on_interrupt wrote it
+    assert _steps(metrics) == list(range(1, step + 1))  # every finished step, once, nothing more
+
+    # The printed command resumes (here told to stop two steps later) and appends each step once.
+    command = shlex.split(last.split("resume with: ")[1])
+    assert command[:3] == [Path(sys.executable).name, "-m", "swapopt.train"] and command[-2:] == ["--resume", str(saved)]
+    command = [sys.executable] + [a.replace("train.steps=100000", f"train.steps={step + 2}") for a in command[1:]]
+    done = subprocess.run(command, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert _steps(metrics) == list(range(1, step + 3))
+
+
+@pytest.mark.slow
+def test_sigint_stops_llm_1b_promptly_even_inside_one_long_operation(tmp_path):
+    # One block of the 1B config at its full width and sequence length: single matmuls of tens of GFLOP.
+    args = [LLM_1B, "--cfg-options", "model.n_layers=1", "train.steps=3", "train.checkpoint_interval=1"]
+    proc = subprocess.Popen([sys.executable, "-m", "swapopt.train", *args], cwd=tmp_path, env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    lines: list[str] = []
+    try:
+        while not any("running on the simulated" in line for line in lines):
+            line = proc.stdout.readline()
+            assert line, "the job ended before training started"
+            lines.append(line)
+        time.sleep(3)  # inside the first step's forward
+        out, _, took = _interrupt(proc, limit_s=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    model_line = next(line for line in lines if line.startswith("model: "))
+    assert "M params" in model_line and "host RAM needed" in model_line and "per step" in model_line
+    assert lines.index(model_line) < len(lines) - 1  # printed before training starts
+    assert proc.returncode == 130
+    assert took < 10, f"took {took:.1f} s to stop"
+    assert "interrupted at step 0" in out
+    assert not (tmp_path / "work_dirs" / "llm_1b" / "step_00000001").exists()

@@ -1,0 +1,180 @@
+"""Fault injection at every stage of a chunk, with params split across chunks.
+
+After the failing step every param is either fully stepped (value, states, step count) or untouched,
+except the params of a chunk whose inner update raised, which the ERROR log names; device memory is
+back to what it was before the step (the exception's traceback keeps no staging alive); swap_stats()
+says the step failed; and later steps are bitwise those of a reference that took the same outcome.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from loguru import logger
+
+import device
+from device import sim as simulator
+from swapopt import SwapOptimizer, SwapOptimizerOperate
+from swapopt.optimizer import SwapOptimizer as _Impl
+
+O = torch.optim
+MAKERS = {
+    "adamw_foreach": lambda ps: O.AdamW(ps, lr=1e-2, weight_decay=0.1, foreach=True),
+    "sgd_momentum": lambda ps: O.SGD(ps, lr=1e-2, momentum=0.9),
+}
+STAGES = ("before_swap_in", "inside_update", "after_update", "swap_out_interrupt", "pinned_alloc")
+
+
+class Boom(RuntimeError):
+    pass
+
+
+def _params() -> list[torch.nn.Parameter]:
+    made = [torch.randn(3000), torch.randn(60, 50).t(), torch.randn(700), torch.randn(())]
+    return [torch.nn.Parameter(t) for t in made]
+
+
+def _snapshot(ps, state) -> list[tuple[torch.Tensor, dict]]:
+    return [
+        (p.detach().clone(), {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.get(p, {}).items()})
+        for p in ps
+    ]
+
+
+def _matches(p, st, snap) -> bool:
+    value, states = snap
+    if not torch.equal(p.detach(), value) or set(st) != set(states):
+        return False
+    return all(torch.equal(st[k], v) if isinstance(v, torch.Tensor) else st[k] == v for k, v in states.items())
+
+
+def _set(r, st_ref, snap_value, snap_states) -> None:
+    """Give reference param r a value and states (device memory for swapped ones, as torch keeps them)."""
+    r.data.copy_(snap_value)
+    st_ref.pop(r, None)
+    if snap_states:
+        st_ref[r] = {
+            k: (torch.empty(v.shape, dtype=v.dtype).copy_(v) if isinstance(v, torch.Tensor) and v.dim() else
+                v.clone() if isinstance(v, torch.Tensor) else v)
+            for k, v in snap_states.items()
+        }  # fmt: skip
+
+
+def _grads(ps, rs) -> None:
+    for p, r in zip(ps, rs):
+        g = torch.empty_like(p).copy_(torch.randn(p.shape))
+        p.grad, r.grad = g.clone(), g.clone()
+
+
+class _Injector:
+    """Raise once at the given stage of chunk ``k`` of the next step."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, opt: SwapOptimizer, stage: str, k: int) -> None:
+        self.fired = False
+        mp = monkeypatch
+
+        def once(real, when):
+            def wrapper(*args, **kwargs):
+                if not self.fired and when(*args, **kwargs):
+                    self.fired = True
+                    return self._raise(real, *args, **kwargs)
+                return real(*args, **kwargs)
+
+            return wrapper
+
+        if stage == "before_swap_in":
+            mp.setattr(SwapOptimizerOperate, "swap_in", once(SwapOptimizerOperate.swap_in, lambda s, kk, c: kk == k))
+        elif stage == "inside_update":
+            calls = []
+
+            def counting(o, *a, **kw):
+                calls.append(1)
+                return len(calls) == k + 1
+
+            mp.setattr(opt, "_step_fn", once(opt._step_fn, counting))
+        elif stage == "after_update":
+            mp.setattr(_Impl, "_chunk_output", once(_Impl._chunk_output, lambda s, prep, kk, *a: kk == k))
+        elif stage == "swap_out_interrupt":
+            mp.setattr(SwapOptimizerOperate, "swap_out", once(SwapOptimizerOperate.swap_out, lambda s, kk, *a: kk == k))
+        elif stage == "pinned_alloc":  # new states' pinned host memory, on the step that creates them
+            mp.setattr(device, "pinned_empty", once(device.pinned_empty, lambda *a, **kw: True))
+        self.stage = stage
+
+    def _raise(self, real, *args, **kwargs):
+        if self.stage == "swap_out_interrupt":  # half the copies are queued when the interrupt lands
+            op, k, copies = args[0], args[1], list(args[2])
+            op.d2h_stream.wait_event(op.update_events[k])  # as swap_out orders its copies
+            with op.mod.stream(op.d2h_stream):
+                for dst, src in copies[: len(copies) // 2]:
+                    dst.copy_(src, non_blocking=True)
+            raise KeyboardInterrupt
+        raise Boom(self.stage)
+
+
+@pytest.mark.parametrize("name", sorted(MAKERS))
+@pytest.mark.parametrize("fail_step", [0, 2])
+@pytest.mark.parametrize("stage", STAGES)
+def test_fault_at_every_stage(stage, fail_step, name, monkeypatch):
+    if stage == "pinned_alloc" and fail_step:
+        pytest.skip("pinned host memory is allocated on the step that creates the states")
+    messages: list[str] = []
+    handle = logger.add(lambda m: messages.append(str(m)), level="ERROR")
+    logger.enable("swapopt")
+    try:
+        with simulator.activate() as dev:
+            torch.manual_seed(0)
+            ps = _params()
+            rs = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+            opt = SwapOptimizer(MAKERS[name](ps), chunk_mb=6 / 1024)
+            ref = MAKERS[name](rs)
+            for step in range(fail_step + 3):
+                _grads(ps, rs)
+                if step != fail_step:
+                    opt.step()
+                    ref.step()
+                    assert not opt.swap_stats().failed
+                    continue
+                opt.wait_for_swap_out()
+                params, groups, _ = opt._active()
+                plan = opt._prepare(params, groups).plan
+                assert any(pc.start > 0 for c in plan.chunks for pc in c.pieces), "no param is split"
+                # the first chunk that continues a param begun in the chunk before: the worst place to fail
+                k = next(j for j, c in enumerate(plan.chunks) if j and c.pieces[0].start > 0)
+                old = _snapshot(rs, ref.state)
+                gc.collect()
+                base = dev.memory_allocated()
+                injector = _Injector(monkeypatch, opt, stage, k)
+                with pytest.raises((Boom, KeyboardInterrupt)):
+                    opt.step()
+                assert injector.fired
+                monkeypatch.undo()
+                gc.collect()
+                assert dev.memory_allocated() == base, "staging or slot views outlived the failed step"
+                stats = opt.swap_stats()
+                assert stats.failed and stats.last_error
+                ref.step()
+                stepped = _snapshot(rs, ref.state)
+                opt.wait_for_swap_out()
+                named = {i for i, p in enumerate(ps) if any(f"of shape {tuple(p.shape)}" in m for m in messages)}
+                if stage == "inside_update":  # every param of the failed chunk is named in the ERROR log
+                    assert {pc.index for pc in plan.chunks[k].pieces} <= named, messages
+                else:
+                    assert not messages, messages
+                for i, (p, r) in enumerate(zip(ps, rs)):
+                    st = opt.state.get(p, {})
+                    if _matches(p, st, stepped[i]):
+                        continue  # the reference keeps its step
+                    if _matches(p, st, old[i]):
+                        _set(r, ref.state, *old[i])
+                        continue
+                    assert stage == "inside_update" and i in named, f"param {i} is neither stepped nor untouched"
+                    _set(r, ref.state, p.detach(), st)  # named partial: the reference adopts it
+            opt.wait_for_swap_out()
+            for i, (p, r) in enumerate(zip(ps, rs)):  # later steps match bitwise
+                assert _matches(p, opt.state.get(p, {}), _snapshot([r], ref.state)[0]), f"param {i}"
+            assert not opt.swap_stats().failed
+    finally:
+        logger.remove(handle)
+        logger.disable("swapopt")
