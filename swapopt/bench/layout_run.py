@@ -279,3 +279,21 @@ def layouts_markdown(results: Sequence[LayoutResult]) -> str:
         if targets:
             out += ["Targets:", "", *targets, ""]
     return "\n".join(out)
+
+
+def layouts_summary(results: Sequence[LayoutResult]) -> str:
+    """One line per swapopt row, for the terminal: step / bound and the counts against their targets."""
+    lines = [
+        "| layout | tensors | strategy | step / bound | launches (target) | H2D / D2H copies | extra host us/param |",
+        "|---|---:|---|---:|---:|---:|---:|",
+    ]
+    for res in results:
+        for r in res.rows:
+            if r.kind != "swapopt":
+                continue
+            lines.append(
+                f"| {res.layout} | {res.tensors:,} | {r.label}{' ' + r.note if r.note else ''} | "
+                f"{_num(r.ratio, '{:.2f}x')} | {_num(r.launches)} ({_num(r.launch_target)}) | "
+                f"{_num(r.h2d_copies)} / {_num(r.d2h_copies)} | {_num(r.extra_host_us_per_param, '{:.1f}')} |"
+            )
+    return "\n".join(lines)
