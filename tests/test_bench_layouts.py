@@ -144,12 +144,14 @@ def test_pinned_host_bytes_counts_each_storage_once(sim):
     assert pinned_host_bytes([torch.zeros(10)]) == 0  # device memory
 
 
+def _small_layout(name: str = "small") -> Layout:
+    # A param larger than a chunk, a vector, odd shapes: what chunkers get wrong.
+    shapes = [(64, 48), (48,), (200, 16), (7, 5, 3), (1,), (96, 32)] * 2
+    return Layout(name=name, source="test", tensors=tuple((f"w{i}", s) for i, s in enumerate(shapes)))
+
+
 def test_layout_run_rows_have_every_field(sim):
-    lay = Layout(
-        name="small",
-        source="test",
-        tensors=tuple((f"w{i}", s) for i, s in enumerate([(64, 48), (48,), (200, 16), (7, 5, 3), (1,), (96, 32)] * 2)),
-    )
+    lay = _small_layout()
     res = run_layout(lay, times=(2, 4), bandwidth_repeats=1)
     assert (res.tensors, res.numel, res.state_bytes) == (lay.count, lay.numel, 8 * lay.numel)
     assert [r.kind for r in res.rows] == ["resident", "swapopt", "swapopt"]
