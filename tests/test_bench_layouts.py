@@ -3,10 +3,12 @@ simulator's own timeline."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
 import torch
+from loguru import logger
 
 import device
 from swapopt.bench.counts import LaunchCounter, count_call, pinned_host_bytes
@@ -182,3 +184,39 @@ def test_make_layout_params_builds_the_layout(sim):
     params = make_layout_params("llama7b", scale=512)
     assert [tuple(p.shape) for p in params] == lay.shapes
     assert all(not device.is_host_tensor(p) and p.grad is not None for p in params)
+
+
+@pytest.fixture
+def quiet_library_after():
+    # main() enables the library's logging as a CLI should; give the rest of the session its default back.
+    yield
+    logger.disable("swapopt")
+    logger.disable("device")
+
+
+@pytest.mark.usefixtures("quiet_library_after")
+def test_cli_runs_layouts_alone_and_renders_them(tmp_path, capsys, monkeypatch):
+    from swapopt.bench import layouts
+    from swapopt.bench.__main__ import main
+
+    # A 12-tensor stand-in keeps this test fast; the named layouts differ only in their shapes.
+    monkeypatch.setitem(layouts.LAYOUTS, "llama7b", lambda: _small_layout("llama7b"))
+    rc = main([
+        "--sim", "h100", "--sizes", "none", "--layouts", "llama7b", "--layout-max-params", "2000",
+        "--layout-times", "4", "--out", str(tmp_path), "--no-progress",
+    ])
+    assert rc == 0
+    (js,) = tmp_path.glob("*.json")
+    data = json.loads(js.read_text())
+    assert data["sizes"] == [] and [r["layout"] for r in data["layouts"]] == ["llama7b"]
+    (lay,) = data["layouts"]
+    assert lay["tensors"] == 12 and lay["scale"] > 1 and lay["numel"] <= 2000
+    assert [r["label"] for r in lay["rows"]] == ["resident-fused", "swapopt t=4 s=3"]
+    md = js.with_suffix(".md").read_text()
+    assert "### llama7b: 12 tensors" in md and "## Step of each strategy" not in md
+    assert not list(tmp_path.glob("*.png"))  # no size rows: no chart
+    assert "| llama7b | 12 | swapopt t=4 s=3 |" in capsys.readouterr().out
+    js.with_suffix(".md").unlink()
+    assert main(["--render", str(js)]) == 0
+    assert js.with_suffix(".md").read_text() == md
+    assert main(["--sim", "h100", "--layouts", "gpt5", "--out", str(tmp_path)]) == 2
