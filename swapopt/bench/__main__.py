@@ -5,6 +5,7 @@ Examples::
     swapopt-bench                       # quick run: one size, every strategy (simulator when no GPU/NPU)
     swapopt-bench --full                # the whole sweep: more sizes, chunk/slot sweeps, end to end
     swapopt-bench --sim 910b --sizes 0.1 --e2e none --out /tmp/bench
+    swapopt-bench --sizes none --layouts llama7b,moe,fsdp256,tiny10k   # real model layouts only
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ import device
 from swapopt.bench.report import Report, summary_table, targets_for, unique_stem, write
 from swapopt.bench.run import BenchConfig, device_label, plan_length, run_size
 from swapopt.bench.sizes import auto_sizes
+from swapopt.bench.layout_run import DEFAULT_TIMES as LAYOUT_TIMES
+from swapopt.bench.layout_run import SIM_MAX_NUMEL, default_max_numel, derive, layouts_summary, run_layout
+from swapopt.bench.layouts import LAYOUTS, get_layout
 from swapopt.bench.strategies import STRATEGY_DOCS
 
 DEFAULT_OUT = Path("bench/results")
@@ -43,7 +47,13 @@ SIM_NOTE = (
 
 
 def _floats(text: str) -> list[float]:
+    if text.strip().lower() == "none":  # e.g. a run of layouts only
+        return []
     return [float(x) for x in text.split(",") if x]
+
+
+def _names(text: str) -> list[str]:
+    return [x for x in text.split(",") if x and x != "none"]
 
 
 def _ints(text: str) -> list[int]:
@@ -60,7 +70,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     f"without a GPU/NPU the simulator's {FALLBACK_PRESET} preset is used anyway")
     ap.add_argument("--sizes", type=_floats, help="model sizes in billions of params (default on the simulator: "
                     f"{QUICK['sim_sizes']}, --full {FULL['sim_sizes']}; on a device the largest up to 1B that fits, "
-                    "--full 0.1 up to the largest that fits)")
+                    "--full 0.1 up to the largest that fits; 'none' for no sizes)")
     ap.add_argument("--impl", choices=["fused", "foreach"], default="fused", help="AdamW kernel of every strategy")
     ap.add_argument("--times", type=_ints, help="swapopt swap_optimizer_times sweep")
     ap.add_argument("--slots", type=_ints, help="swapopt slots sweep")
@@ -72,6 +82,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="timed steps, median reported (default 5; 1 simulated: modeled time is deterministic)")
     ap.add_argument("--sanitize", action="store_true",
                     help="keep the simulator's stream sanitizer on (the tests do; off here it runs about 2x faster)")
+    ap.add_argument("--layouts", type=_names, default=[],
+                    help=f"real model layouts to run, comma-separated ({', '.join(LAYOUTS)}): fused AdamW resident "
+                    "against swapopt, with kernel launches, copies each way and host CPU time per step (default: none)")
+    ap.add_argument("--layout-times", type=_ints, default=list(LAYOUT_TIMES),
+                    help=f"swap_optimizer_times of the layout runs (default {','.join(map(str, LAYOUT_TIMES))})")
+    ap.add_argument("--layout-max-params", type=int, default=None,
+                    help=f"layouts with more params are scaled down (every dim divided alike; tensor counts kept); "
+                    f"default {SIM_MAX_NUMEL:,} on the simulator, what fits on a device")
     ap.add_argument("--e2e", default=None, help="engine configs for the train-step comparison, comma-separated "
                     "(default: none; with --full tiny on the simulator, llm_1b on a device); 'none' to skip")
     ap.add_argument("--e2e-steps", type=int, default=6, help="train steps per end-to-end run (first 2 are warm-up)")
@@ -94,7 +112,7 @@ def _progress(disabled: bool) -> Progress:
 def _run(args: argparse.Namespace) -> list[Path]:
     simulated = device.get_device() == "sim"
     sweep = FULL if args.full else QUICK
-    if args.sizes:
+    if args.sizes is not None:
         sizes = args.sizes
     elif simulated:
         sizes = sweep["sim_sizes"]
@@ -139,6 +157,16 @@ def _run(args: argparse.Namespace) -> list[Path]:
         for size in sizes:
             progress.update(task, description=f"{size:g}B")
             results.append(run_size(size, cfg, on_done=lambda _: progress.advance(task), timeline_hook=capture))
+        layouts = []
+        if args.layouts:
+            max_numel = args.layout_max_params or default_max_numel()
+            layout_task = progress.add_task("layouts", total=len(args.layouts) * (1 + len(args.layout_times)))
+            for name in args.layouts:
+                progress.update(layout_task, description=name)
+                layouts.append(run_layout(
+                    name, times=args.layout_times, max_numel=max_numel, impl=cfg.impl, warmup=cfg.warmup,
+                    repeats=cfg.repeats, on_done=lambda _: progress.advance(layout_task),
+                ))
         e2e = []
         if e2e_configs:
             from swapopt.bench.e2e import run_e2e
@@ -152,7 +180,7 @@ def _run(args: argparse.Namespace) -> list[Path]:
     report = Report(
         device=device.get_device(), device_name=name, torch=torch.__version__,
         date=f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC}", preset=preset, impl=cfg.impl,
-        sizes=results, targets=[targets_for(s) for s in results], e2e=e2e,
+        sizes=results, targets=[targets_for(s) for s in results], e2e=e2e, layouts=layouts,
         notes=[SIM_NOTE] if simulated else [],
     )
     return _write_outputs(report, args.out, stem, timeline_png[0] if timeline_png else None)
@@ -163,15 +191,18 @@ def _write_outputs(report: Report, out: Path, stem: str, timeline: Path | None) 
     from swapopt.bench.plots import bar_chart
 
     modeled = " (modeled)" if report.device == "sim" else ""
-    chart = bar_chart(report.sizes, out / f"{stem}-chart.png", f"AdamW step / bound, {report.device_name}{modeled}")
-    json_path, md_path = write(report, out, stem, chart.name, timeline.name if timeline else None)
-    return [json_path, md_path, chart] + ([timeline] if timeline else [])
+    chart = None
+    if report.sizes:  # a run of layouts only has no size rows to chart
+        chart = bar_chart(report.sizes, out / f"{stem}-chart.png", f"AdamW step / bound, {report.device_name}{modeled}")
+    json_path, md_path = write(report, out, stem, chart.name if chart else None, timeline.name if timeline else None)
+    return [json_path, md_path] + ([chart] if chart else []) + ([timeline] if timeline else [])
 
 
 def _render(path: Path) -> list[Path]:
     """Rebuild the markdown table and chart of an earlier run from its JSON."""
     report = Report.model_validate_json(path.read_text())
     report.targets = [targets_for(s) for s in report.sizes]
+    report.layouts = [derive(r) for r in report.layouts]
     timeline = path.parent / f"{path.stem}-timeline.png"
     return _write_outputs(report, path.parent, path.stem, timeline if timeline.exists() else None)
 
@@ -198,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
 
             if args.sim.lower() not in sim.PRESETS:
                 raise ValueError(f"unknown simulator preset {args.sim!r}; choose one of: {', '.join(sim.PRESETS)}")
+        for name in args.layouts:
+            get_layout(name)  # an unknown name fails here, before anything runs
     except (ValueError, RuntimeError) as err:
         return _error(" ".join(str(err).split()))
     logger.remove()
@@ -223,7 +256,10 @@ def main(argv: list[str] | None = None) -> int:
         print(mode)
         paths = _run(args)
     report = Report.model_validate_json(paths[0].read_text())
-    print(summary_table(report))
+    if report.sizes:
+        print(summary_table(report))
+    if report.layouts:
+        print(layouts_summary(report.layouts))
     for p in paths:
         print(p)
     return 0

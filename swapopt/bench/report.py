@@ -7,6 +7,7 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
+from swapopt.bench.layout_run import LayoutResult, layouts_markdown
 from swapopt.bench.run import Row, SizeResult
 
 MB = 1 << 20
@@ -33,6 +34,7 @@ class Report(BaseModel):
     sizes: list[SizeResult]
     targets: list[Targets]
     e2e: list[dict] = []
+    layouts: list[LayoutResult] = []
     notes: list[str] = []
 
 
@@ -137,11 +139,16 @@ def markdown(report: Report, chart: str | None = None, timeline: str | None = No
             f"HBM {report.preset['hbm_gbps']} GB/s, host {report.preset['host_gbps']} GB/s, launch "
             f"{report.preset['launch_us']} us; times are modeled (deterministic)."
         )
-    parts = ["\n".join(head), "## Targets", targets_table(report.targets)]
+    parts = ["\n".join(head)]
+    if report.sizes:
+        parts += ["## Targets", targets_table(report.targets)]
     if report.e2e:
         parts += ["## End to end (train step)", e2e_table(report.e2e)]
-    parts.append("## Step of each strategy")
-    parts += [size_table(s) for s in report.sizes]
+    if report.sizes:
+        parts.append("## Step of each strategy")
+        parts += [size_table(s) for s in report.sizes]
+    if report.layouts:
+        parts.append(layouts_markdown(report.layouts).rstrip())
     if chart:
         parts.append(f"![step time / bound]({chart})")
     if timeline:

@@ -1,0 +1,178 @@
+"""Structural counters of one optimizer step: aten ops, kernel launches, copies each way, host CPU time.
+
+Step time alone hides why a step is slow; these counts show it. A launch is an aten op that makes the
+device do work: a copy or a compute kernel touching device memory. Views, metadata changes and bare
+allocations are not launches, and neither are ops that only touch host memory. Copies are sorted by
+direction: host to device (H2D), device to host (D2H, including `.item()`-style scalar reads).
+
+Counting runs in a dispatch mode above the device's own (the simulator's mode on CPU CI, none on
+CUDA or NPU), so the same code counts on the simulator and on a real device. The mode costs host
+time, so host CPU time is measured on a separate, uncounted step.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from pydantic import BaseModel
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import device
+from device.ops import op_info, tensors
+
+_PLAIN_DISPATCH = torch.Tensor.__torch_dispatch__
+
+
+class StepCounts(BaseModel):
+    """What one call (typically one optimizer step) dispatched."""
+
+    aten_ops: int = 0  # every aten op, views and allocations included
+    launches: int = 0  # copies and compute kernels that touch device memory
+    h2d_copies: int = 0
+    d2h_copies: int = 0
+    h2d_bytes: int = 0
+    d2h_bytes: int = 0
+    # CPU seconds of the calling thread: over the whole call, inside launched ops (below this mode: on
+    # the simulator that is the device's own work, done by the host) and in this mode's bookkeeping.
+    cpu_s: float = 0.0
+    launch_cpu_s: float = 0.0
+    counting_cpu_s: float = 0.0
+
+    def own_host_s(self, device_work_on_host: bool) -> float:
+        """The call's own host work: its CPU time less this counter's cost and, when the device's work
+        runs on the host (the simulator), less the time inside launched ops."""
+        own = self.cpu_s - self.counting_cpu_s - self.aten_ops * _mode_entry_seconds()
+        if device_work_on_host:
+            own -= self.launch_cpu_s
+        return max(own, 0.0)
+
+
+def _fresh_outputs(func: Any, out: Any) -> list[torch.Tensor]:
+    """Returned tensors that alias no input: what the op created."""
+    returns = func._schema.returns
+    values = out if isinstance(out, (tuple, list)) and len(returns) > 1 else (out,)
+    found: list[torch.Tensor] = []
+    for ret, value in zip(returns, values):
+        if ret.alias_info is None:
+            found.extend(tensors(value))
+    return found
+
+
+def _on_device(t: torch.Tensor) -> bool:
+    # Meta and sparse tensors are never device memory a kernel of this step touches.
+    return t.layout is torch.strided and t.device.type != "meta" and not device.is_host_tensor(t)
+
+
+class LaunchCounter(TorchDispatchMode):
+    """Counts the aten ops dispatched while active (see the module docstring for what counts as what)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts = StepCounts()
+
+    def __enter__(self) -> LaunchCounter:
+        # The simulator must be active below this mode, so the ops it sees are already classified.
+        device.get_torch_device_module()
+        self._start = time.thread_time()
+        return super().__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        super().__exit__(*exc)
+        self.counts.cpu_s += time.thread_time() - self._start
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for t in types:
+            if t.__torch_dispatch__ is not _PLAIN_DISPATCH:
+                return NotImplemented  # tensor subclasses (DTensor) come back as their local ops
+        start = time.thread_time()
+        out = func(*args, **kwargs)
+        done = time.thread_time()
+        if func.namespace == "aten" and self._classify(func, args, kwargs, out):
+            self.counts.launch_cpu_s += done - start
+        self.counts.counting_cpu_s += time.thread_time() - done
+        return out
+
+    def _classify(self, func: Any, args: tuple, kwargs: dict, out: Any) -> bool:
+        """Count one op; True when it is a launch."""
+        c = self.counts
+        c.aten_ops += 1
+        op = op_info(func)
+        if op.alloc_only:
+            return False
+        reads: list[torch.Tensor] = []
+        writes: list[torch.Tensor] = []
+        for position, name, role in op.roles:
+            if role == "v":
+                continue
+            value = args[position] if position < len(args) else kwargs.get(name)
+            (reads if role == "r" else writes).extend(tensors(value))
+        writes += _fresh_outputs(func, out)
+        if not reads and not writes:
+            return False  # a view or a metadata change
+        read_dev = [_on_device(t) for t in reads]
+        write_dev = [_on_device(t) for t in writes]
+        if not any(read_dev) and not any(write_dev):
+            return False  # host-only work
+        c.launches += 1
+        if op.local_scalar:
+            c.d2h_copies += 1
+            c.d2h_bytes += sum(t.element_size() for t in reads)
+        elif op.copy:
+            nbytes = sum(t.nbytes for t in writes)
+            if any(not d for d in read_dev) and any(write_dev):
+                c.h2d_copies += 1
+                c.h2d_bytes += nbytes
+            elif any(read_dev) and any(not d for d in write_dev):
+                c.d2h_copies += 1
+                c.d2h_bytes += nbytes
+        return True
+
+
+@functools.cache
+def _mode_entry_seconds() -> float:
+    """CPU time a counted op costs beyond what the counter measures itself: entering the mode and
+    reading the clock. Calibrated once on view ops, which do no work of their own."""
+    x = torch.empty(64, device="meta")
+    n = 2000
+
+    def views() -> None:
+        for _ in range(n):
+            x.view(-1)
+
+    plain = host_cpu_seconds(views)
+    with LaunchCounter() as counter:
+        views()
+    extra = counter.counts.cpu_s - counter.counts.counting_cpu_s - plain
+    return max(extra / n, 0.0)
+
+
+def count_call(fn: Callable[[], Any]) -> StepCounts:
+    """Run `fn` once under a LaunchCounter and return what it dispatched."""
+    with LaunchCounter() as counter:
+        fn()
+    return counter.counts
+
+
+def host_cpu_seconds(fn: Callable[[], Any]) -> float:
+    """CPU time of the calling thread over one call of `fn`: the host work it costs, whatever the device
+    does meanwhile. The thread's, not the process's: idle intra-op worker threads spin and would be
+    counted as work."""
+    start = time.thread_time()
+    fn()
+    return time.thread_time() - start
+
+
+def pinned_host_bytes(tensors_: list[torch.Tensor]) -> int:
+    """Bytes of host memory behind these tensors, each storage counted once (views of one arena are one)."""
+    seen: dict[int, int] = {}
+    for t in tensors_:
+        if t.dim() == 0 or not device.is_host_tensor(t):
+            continue
+        storage = t.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())

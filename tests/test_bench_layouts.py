@@ -1,0 +1,222 @@
+"""Benchmark layouts and step counters: real model shapes, FSDP2 sharding, and counts that match the
+simulator's own timeline."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from loguru import logger
+
+import device
+from swapopt.bench.counts import LaunchCounter, count_call, pinned_host_bytes
+from swapopt.bench.layout_run import LayoutResult, derive, layout_targets, layouts_markdown, run_layout
+from swapopt.bench.layouts import (
+    Layout,
+    fsdp256,
+    fsdp_shard,
+    fsdp_shard_rows,
+    get_layout,
+    llama7b,
+    make_layout_params,
+    moe,
+    scale_to_fit,
+    scaled,
+    tiny10k,
+)
+
+
+def _by_suffix(layout: Layout, suffix: str) -> list[tuple[int, ...]]:
+    return [shape for name, shape in layout.tensors if name.endswith(suffix)]
+
+
+def test_llama7b_has_llama2_7b_tensors():
+    lay = llama7b()
+    assert lay.count == 291
+    shapes = dict(lay.tensors)
+    assert shapes["model.embed_tokens.weight"] == (32000, 4096)
+    assert shapes["lm_head.weight"] == (32000, 4096)
+    assert shapes["model.norm.weight"] == (4096,)
+    for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        assert _by_suffix(lay, f"{proj}.weight") == [(4096, 4096)] * 32
+    assert _by_suffix(lay, "gate_proj.weight") == _by_suffix(lay, "up_proj.weight") == [(11008, 4096)] * 32
+    assert _by_suffix(lay, "down_proj.weight") == [(4096, 11008)] * 32
+    assert len(_by_suffix(lay, "layernorm.weight")) == 64
+    # The published parameter count of Llama-2-7B (untied embeddings).
+    assert lay.numel == 6_738_415_616
+    assert len({name for name, _ in lay.tensors}) == lay.count
+
+
+def test_moe_has_thousands_of_mixtral_shaped_tensors():
+    lay = moe()
+    assert lay.count >= 3000
+    assert len({name for name, _ in lay.tensors}) == lay.count
+    w1, w2, w3 = (_by_suffix(lay, f"{w}.weight") for w in ("w1", "w2", "w3"))
+    assert len(w1) == len(w2) == len(w3) == 32 * 32
+    assert set(w1) == set(w3) == {(14336, 4096)} and set(w2) == {(4096, 14336)}
+    assert set(_by_suffix(lay, "k_proj.weight")) == {(1024, 4096)}  # grouped-query attention, 8 kv heads
+    assert set(_by_suffix(lay, "gate.weight")) == {(32, 4096)}
+    assert moe(experts=8).count == 32 * (7 + 3 * 8) + 3
+
+
+def test_tiny10k():
+    lay = tiny10k()
+    assert lay.count == 10_000 and set(lay.shapes) == {(128,)} and lay.numel == 1_280_000
+
+
+@pytest.mark.parametrize("rows", [1, 5, 255, 256, 257, 4096, 11008, 32000, 32001])
+@pytest.mark.parametrize("world", [1, 7, 256])
+def test_fsdp_shards_cover_dim0_padded_as_fsdp2_pads(rows, world):
+    local = [fsdp_shard_rows(rows, world, r) for r in range(world)]
+    assert sum(n for n, _ in local) == rows  # the shards are the param, no more, no less
+    padded = {p for _, p in local}
+    assert padded == {math.ceil(rows / world)}  # every rank's buffer has the same padded size
+    assert rows <= world * padded.pop() < rows + world
+    # torch.chunk's split: full shards first, then at most one partial one, then empty ones.
+    chunks = [len(c) for c in torch.arange(rows).chunk(world)]
+    assert [n for n, _ in local] == chunks + [0] * (world - len(chunks))
+
+
+def test_fsdp256_is_rank0_of_llama7b():
+    full, shard = llama7b(), fsdp256()
+    assert shard.count == full.count == 291
+    for (name, fs), (sname, ss) in zip(full.tensors, shard.tensors):
+        assert name == sname and ss[1:] == fs[1:]
+        assert sum(fsdp_shard_rows(fs[0], 256, r)[0] for r in range(256)) == fs[0]
+    total = sum(fsdp_shard(full, 256, r).numel for r in (0, 100, 255))
+    assert total == 3 * full.numel // 256  # Llama-2-7B's dims 0 divide evenly by 256: no rank is short
+    assert fsdp_shard(full, 256, 0).shapes == shard.shapes
+
+
+def test_scaled_keeps_count_and_relative_shapes():
+    lay = llama7b()
+    small = scaled(lay, 8)
+    assert small.count == lay.count and small.scale == 8
+    assert dict(small.tensors)["model.layers.0.mlp.gate_proj.weight"] == (1376, 512)
+    assert dict(small.tensors)["model.embed_tokens.weight"] == (4000, 512)
+    assert all(d >= 1 for s in scaled(lay, 100_000).shapes for d in s)
+    fit = scale_to_fit(lay, 50_000_000)
+    assert fit.numel <= 50_000_000 and scaled(lay, fit.scale - 1).numel > 50_000_000
+    assert scale_to_fit(tiny10k(), 10**9).scale == 1
+    with pytest.raises(ValueError):
+        get_layout("gpt5")
+
+
+def test_counter_counts_copies_and_kernels_like_the_timeline(sim):
+    host = device.pinned_empty((1000,))
+    host.zero_()
+    scratch = device.pinned_empty((10,))
+    scratch.zero_()
+    dev = torch.zeros(1000)  # created on the simulated device
+
+    def program():
+        dev.copy_(host, non_blocking=True)  # H2D
+        half = dev[:500]  # a view: no launch
+        half.mul_(2.0)  # one kernel
+        torch.empty_like(dev)  # an allocation: no launch
+        host.copy_(dev, non_blocking=True)  # D2H
+        host[500:].copy_(dev[500:], non_blocking=True)  # D2H of a view
+        scratch.add_(1.0)  # host-only work: no launch
+
+    sim.reset_timeline()
+    counts = count_call(program)
+    sim.synchronize()
+    assert (counts.launches, counts.h2d_copies, counts.d2h_copies) == (4, 1, 2)
+    assert counts.h2d_bytes == 4000 and counts.d2h_bytes == 6000
+    assert counts.aten_ops == 9  # 4 launches, 3 slices, 1 allocation, 1 host add
+    lanes = [op.lane for op in sim.timeline]
+    assert counts.launches == sum(lane != "host" for lane in lanes)
+    assert counts.h2d_copies == lanes.count("h2d") and counts.d2h_copies == lanes.count("d2h")
+    # CPU time splits into the ops' own, the counter's and the rest; the device's share is left out on the simulator.
+    assert counts.cpu_s >= counts.launch_cpu_s + counts.counting_cpu_s > 0
+    assert 0 <= counts.own_host_s(device_work_on_host=True) <= counts.own_host_s(device_work_on_host=False)
+    # Nested counting: an inner counter sees only its own block.
+    with LaunchCounter() as outer:
+        dev.add_(1.0)
+        inner = count_call(lambda: dev.add_(1.0))
+    assert inner.launches == 1 and outer.counts.launches == 2
+
+
+def test_pinned_host_bytes_counts_each_storage_once(sim):
+    arena = device.pinned_empty((100,))
+    views = [arena[:40], arena[40:], arena[10:20]]
+    assert pinned_host_bytes(views) == 400
+    assert pinned_host_bytes([torch.zeros(10)]) == 0  # device memory
+
+
+def _small_layout(name: str = "small") -> Layout:
+    # A param larger than a chunk, a vector, odd shapes: what chunkers get wrong.
+    shapes = [(64, 48), (48,), (200, 16), (7, 5, 3), (1,), (96, 32)] * 2
+    return Layout(name=name, source="test", tensors=tuple((f"w{i}", s) for i, s in enumerate(shapes)))
+
+
+def test_layout_run_rows_have_every_field(sim):
+    lay = _small_layout()
+    res = run_layout(lay, times=(2, 4), bandwidth_repeats=1)
+    assert (res.tensors, res.numel, res.state_bytes) == (lay.count, lay.numel, 8 * lay.numel)
+    assert [r.kind for r in res.rows] == ["resident", "swapopt", "swapopt"]
+    resident, *swapped = res.rows
+    assert resident.launches >= 1 and resident.h2d_copies == resident.d2h_copies == 0
+    assert res.bound_ms >= res.resident_ms > 0
+    for r, k in zip(swapped, (2, 4)):
+        assert r.times == k and r.slots == 3 and r.chunks >= 1
+        assert r.launch_target == (resident.launches + 3) * r.chunks + 8
+        # Every chunk's states go in and come back at least once.
+        assert r.h2d_copies >= r.chunks and r.d2h_copies >= r.chunks
+        assert r.launches >= r.h2d_copies + r.d2h_copies
+        assert r.step_ms > 0 and r.ratio == pytest.approx(r.step_ms / res.bound_ms)
+        assert r.cap_bytes == 4 * r.chunk_bytes and r.peak_extra_bytes > 0
+        assert r.pinned_bytes > 0 and r.cpu_ms > 0 and r.host_ms is not None
+        assert r.extra_host_us_per_param is not None
+    again = derive(LayoutResult.model_validate_json(res.model_dump_json()))
+    assert again == res  # a result read back from JSON renders the same
+    md = layouts_markdown([res])
+    assert "### small: 12 tensors" in md and md.count("| swapopt t=") == 2
+    targets = layout_targets(res)
+    assert len(targets) == 2 and all("launches" in t and "pinned" in t and "peak" in t for t in targets)
+    assert all(t in md for t in targets)
+
+
+def test_make_layout_params_builds_the_layout(sim):
+    lay = scaled(llama7b(), 512)
+    params = make_layout_params("llama7b", scale=512)
+    assert [tuple(p.shape) for p in params] == lay.shapes
+    assert all(not device.is_host_tensor(p) and p.grad is not None for p in params)
+
+
+@pytest.fixture
+def quiet_library_after():
+    # main() enables the library's logging as a CLI should; give the rest of the session its default back.
+    yield
+    logger.disable("swapopt")
+    logger.disable("device")
+
+
+@pytest.mark.usefixtures("quiet_library_after")
+def test_cli_runs_layouts_alone_and_renders_them(tmp_path, capsys, monkeypatch):
+    from swapopt.bench import layouts
+    from swapopt.bench.__main__ import main
+
+    # A 12-tensor stand-in keeps this test fast; the named layouts differ only in their shapes.
+    monkeypatch.setitem(layouts.LAYOUTS, "llama7b", lambda: _small_layout("llama7b"))
+    rc = main([
+        "--sim", "h100", "--sizes", "none", "--layouts", "llama7b", "--layout-max-params", "2000",
+        "--layout-times", "4", "--out", str(tmp_path), "--no-progress",
+    ])
+    assert rc == 0
+    (js,) = tmp_path.glob("*.json")
+    data = json.loads(js.read_text())
+    assert data["sizes"] == [] and [r["layout"] for r in data["layouts"]] == ["llama7b"]
+    (lay,) = data["layouts"]
+    assert lay["tensors"] == 12 and lay["scale"] > 1 and lay["numel"] <= 2000
+    assert [r["label"] for r in lay["rows"]] == ["resident-fused", "swapopt t=4 s=3"]
+    md = js.with_suffix(".md").read_text()
+    assert "### llama7b: 12 tensors" in md and "## Step of each strategy" not in md
+    assert not list(tmp_path.glob("*.png"))  # no size rows: no chart
+    assert "| llama7b | 12 | swapopt t=4 s=3 |" in capsys.readouterr().out
+    js.with_suffix(".md").unlink()
+    assert main(["--render", str(js)]) == 0
+    assert js.with_suffix(".md").read_text() == md
+    assert main(["--sim", "h100", "--layouts", "gpt5", "--out", str(tmp_path)]) == 2
