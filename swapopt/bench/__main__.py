@@ -39,10 +39,10 @@ FULL_COST = "about 10 minutes and 13 GB of host RAM on the simulator (2 CPU core
 QUICK = dict(sim_sizes=[0.1], times=[16, 64], slots=[3], reference_times=[16])
 FULL = dict(sim_sizes=[0.1, 0.5], times=[8, 16, 32, 64], slots=[2, 3], reference_times=[16, 64])
 SIM_NOTE = (
-    "Simulated: every time is the timeline model's (copies = bytes / link rate, updates = bytes touched / "
-    "HBM rate, launch_us of host time per op), so once copies dwarf launches a step's time is linear in "
-    "its bytes and larger models scale these rows; state tensors are real host memory, which bounds the "
-    "sizes run here."
+    "Simulated: every time is the timeline model's (a copy = latency + bytes / link rate, with H2D and D2H "
+    "at once sharing the preset's total cap; a kernel = max(bytes touched / HBM rate, FLOPs / peak); "
+    "launch_us of host time per op), so once copies dwarf launches a step's time is linear in its bytes "
+    "and larger models scale these rows; state tensors are real host memory, which bounds the sizes run here."
 )
 
 
