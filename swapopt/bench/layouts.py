@@ -62,6 +62,16 @@ class Layout(BaseModel):
         return [shape for _, shape in self.tensors]
 
 
+def _attention(pre: str, hidden: int, kv_dim: int) -> list[tuple[str, Shape]]:
+    """q, k, v, o projections of one decoder layer (grouped-query attention when kv_dim < hidden)."""
+    return [
+        (f"{pre}.self_attn.q_proj.weight", (hidden, hidden)),
+        (f"{pre}.self_attn.k_proj.weight", (kv_dim, hidden)),
+        (f"{pre}.self_attn.v_proj.weight", (kv_dim, hidden)),
+        (f"{pre}.self_attn.o_proj.weight", (hidden, hidden)),
+    ]
+
+
 def llama7b() -> Layout:
     """Llama-2-7B: embedding, 32 decoder layers of (q, k, v, o, gate, up, down, 2 RMSNorms), final norm, lm_head."""
     c = LLAMA2_7B
@@ -69,11 +79,7 @@ def llama7b() -> Layout:
     tensors: list[tuple[str, Shape]] = [("model.embed_tokens.weight", (c["vocab"], h))]
     for i in range(c["layers"]):
         pre = f"model.layers.{i}"
-        tensors += [
-            (f"{pre}.self_attn.q_proj.weight", (h, h)),
-            (f"{pre}.self_attn.k_proj.weight", (c["kv_dim"], h)),
-            (f"{pre}.self_attn.v_proj.weight", (c["kv_dim"], h)),
-            (f"{pre}.self_attn.o_proj.weight", (h, h)),
+        tensors += _attention(pre, h, c["kv_dim"]) + [
             (f"{pre}.mlp.gate_proj.weight", (f, h)),
             (f"{pre}.mlp.up_proj.weight", (f, h)),
             (f"{pre}.mlp.down_proj.weight", (h, f)),
@@ -91,11 +97,7 @@ def moe(experts: int = MOE_EXPERTS) -> Layout:
     tensors: list[tuple[str, Shape]] = [("model.embed_tokens.weight", (c["vocab"], h))]
     for i in range(c["layers"]):
         pre = f"model.layers.{i}"
-        tensors += [
-            (f"{pre}.self_attn.q_proj.weight", (h, h)),
-            (f"{pre}.self_attn.k_proj.weight", (c["kv_dim"], h)),
-            (f"{pre}.self_attn.v_proj.weight", (c["kv_dim"], h)),
-            (f"{pre}.self_attn.o_proj.weight", (h, h)),
+        tensors += _attention(pre, h, c["kv_dim"]) + [
             (f"{pre}.block_sparse_moe.gate.weight", (experts, h)),
         ]
         for e in range(experts):

@@ -1,4 +1,4 @@
-"""Markdown and JSON reports, and the target checks of issue 6 computed from the rows."""
+"""Markdown and JSON reports, and the target checks computed from the rows."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ MB = 1 << 20
 
 
 class Targets(BaseModel):
-    """Targets of the issue, reported (never asserted on timings)."""
+    """Step targets per size, reported (never asserted on timings)."""
 
     size_b: float
     best_swap_16plus: str | None = None
