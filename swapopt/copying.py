@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 import device
-from swapopt.hoststate import is_dense, is_swapped_state, local, wrap_like
+from swapopt.hoststate import is_swapped_state, local, pinned_empty_like
 
 
 def getstate(opt: Any) -> dict[str, Any]:
@@ -61,16 +61,10 @@ def setstate(opt: Any, state: dict[str, Any]) -> None:
 
 def pinned_copy(value: torch.Tensor) -> torch.Tensor:
     """A pinned host copy of ``value`` with its dense layout (a DTensor over the host shard for DTensors)."""
-    src = local(value)
-    if src.dim() and is_dense(src):
-        # Allocate in memory order, then view with src's strides: channels_last stays channels_last.
-        order = sorted(range(src.dim()), key=lambda d: (-src.stride(d), d))
-        buf = device.pinned_empty(tuple(src.shape[d] for d in order), dtype=src.dtype)
-        dst = buf.permute(*sorted(range(src.dim()), key=lambda d: order[d]))
-    else:
-        dst = device.pinned_empty(tuple(src.shape), dtype=src.dtype)
-    dst.copy_(src)
-    return wrap_like(value, dst)
+    # src's own strides when dense (channels_last stays channels_last), else contiguous.
+    dst = pinned_empty_like(value)
+    local(dst).copy_(local(value))
+    return dst
 
 
 def _pin_states(inner: torch.optim.Optimizer) -> None:

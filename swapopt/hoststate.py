@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import inspect
 import math
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -129,6 +129,13 @@ def memory_order(t: torch.Tensor) -> tuple[int, ...]:
     return tuple(sorted(range(t.dim()), key=lambda d: (-t.stride(d), d)))
 
 
+def pinned_empty_like(value: torch.Tensor) -> torch.Tensor:
+    """Pinned host memory shaped, typed and laid out (layout_strides) like ``value``'s local tensor,
+    wrapped like ``value`` (a DTensor over the host shard for DTensors)."""
+    src = local(value)
+    return wrap_like(value, pinned_like(tuple(src.shape), layout_strides(src), src.dtype))
+
+
 def new_host_like(param: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """Pinned host memory for one param-shaped state of ``param`` with the param's dense layout, wrapped
     like the param (a DTensor over the host shard for DTensor params)."""
@@ -146,6 +153,13 @@ def is_swapped_state(param: torch.Tensor, key: str, value: Any) -> bool:
 def state_nbytes(value: torch.Tensor) -> int:
     loc = local(value)
     return loc.numel() * loc.element_size()
+
+
+def raw_step(optimizer: torch.optim.Optimizer) -> Callable[..., Any]:
+    """The class's step without Optimizer's hook/profiler wrapper, so per-chunk calls (and probes) do not
+    fire global step hooks."""
+    fn = type(optimizer).step
+    return getattr(fn, "__wrapped__", fn) if getattr(fn, "hooked", False) else fn
 
 
 def _constructor_kwargs(cls: type, defaults: dict) -> dict:

@@ -25,6 +25,7 @@ import device
 from swapopt import checkpoint, copying, hoststate, perparam, recovery
 from swapopt.arena import Arenas, Run, itemsize
 from swapopt.hoststate import is_swapped_state, local, new_host_like, wrap_like
+from swapopt.hoststate import raw_step as _raw_step
 from swapopt.operate import SwapOptimizerOperate
 from swapopt.plan import DEFAULT_ALIGN, SLOT_ALIGN as _SLOT_ALIGN, ParamSize, Plan, make_plan
 
@@ -43,12 +44,6 @@ class SwapStats(BaseModel):
     steps: int = 0
     failed: bool = False  # the last step raised; the counters are those of the last successful step
     last_error: str | None = None
-
-
-def _raw_step(optimizer: torch.optim.Optimizer) -> Callable[..., Any]:
-    """The class's step without Optimizer's hook/profiler wrapper, so per-chunk calls do not fire hooks."""
-    fn = type(optimizer).step
-    return getattr(fn, "__wrapped__", fn) if getattr(fn, "hooked", False) else fn
 
 
 def _refuse(optimizer: Any, per_param: bool) -> None:
@@ -155,6 +150,8 @@ class _Prepared:
     last_chunk: dict[torch.Tensor, int] = field(default_factory=dict)
     runs: list[list[Run]] = field(default_factory=list)  # per chunk: merged copies of arena regions
     covered: list[frozenset[int]] = field(default_factory=list)  # per chunk: regions a run moves
+    h2d_bytes: list[int] = field(default_factory=list)  # per chunk: state bytes its swap-in moves
+    covered_bytes: list[int] = field(default_factory=list)  # per chunk: state bytes of the covered regions
 
 
 class _ChunkViews(list):
@@ -478,9 +475,8 @@ class SwapOptimizer(torch.optim.Optimizer):
                     )
                 src = local(value)
                 home = previous.get(key)  # the pinned tensor it came from, when it still fits
-                strides = hoststate.layout_strides(src)
                 if home is None or not hoststate.same_layout(local(home), src) or local(home).dtype != src.dtype:
-                    home = wrap_like(value, hoststate.pinned_like(tuple(src.shape), strides, src.dtype))
+                    home = hoststate.pinned_empty_like(value)
                 self.operate.wait_for_swap_out([p])
                 local(home).copy_(src)
                 value = st[key] = home
@@ -579,8 +575,11 @@ class SwapOptimizer(torch.optim.Optimizer):
             self._arenas.prune([t for e in self._host.values() for t in e.locals])
         runs = [self._arenas.runs(r) for r in regions]
         covered = [frozenset(i for run in rs for i in run.regions) for rs in runs]
+        h2d_bytes = [sum(r.nbytes for r in rs if r.host is not None) for rs in regions]
+        covered_bytes = [sum(rs[i].nbytes for i in cov) for rs, cov in zip(regions, covered)]
         self._prepared = _Prepared(
-            key, params, groups, flat, plan, regions, slot_bytes, resident, last_chunk, runs, covered
+            key, params, groups, flat, plan, regions, slot_bytes, resident, last_chunk, runs, covered,
+            h2d_bytes, covered_bytes,
         )
         logger.debug(
             "swapopt plan: {} params, {} chunks, budget {:.2f} MiB, slot {:.2f} MiB, {} resident, {} merged copies",
@@ -715,7 +714,7 @@ class SwapOptimizer(torch.optim.Optimizer):
             if host is not None and r.nbytes:
                 copies.append((v, host))
         self.operate.swap_in(k, copies)
-        return views, sum(r.nbytes for r in prep.regions[k] if r.host is not None)
+        return views, prep.h2d_bytes[k]
 
     def _run_inner(self, chunk_groups: dict[int, list[torch.Tensor]], chunk_state: Any, kwargs: dict) -> None:
         """One inner step over the given params and state; the shared groups and state are restored after.
@@ -851,7 +850,7 @@ class SwapOptimizer(torch.optim.Optimizer):
             # a run also moves padding: count the bytes of the states it carries
             merged = len(views.runs) if isinstance(views, _ChunkViews) else 0
             nbytes = sum(src.numel() * src.element_size() for _, src in copies[merged:])
-            nbytes += sum(prep.regions[k][i].nbytes for i in prep.covered[k]) if merged else 0
+            nbytes += prep.covered_bytes[k] if merged else 0
             op.end_update(k)
         op.swap_out(k, copies, hold)
         for p, scalars in finals:  # the param is fully stepped: publish its scalars and new host states
@@ -905,6 +904,5 @@ class SwapOptimizer(torch.optim.Optimizer):
                     )
                 states[key] = new_host_like(p, src.dtype)
             else:
-                strides = hoststate.layout_strides(src)
-                states[key] = wrap_like(value, hoststate.pinned_like(tuple(src.shape), strides, src.dtype))
+                states[key] = hoststate.pinned_empty_like(value)
         return states[key]

@@ -9,15 +9,15 @@ instead of failing half-way through a later step.
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from loguru import logger
 
 import device
-from swapopt.hoststate import local
+from swapopt.hoststate import _constructor_kwargs as _ctor_kwargs, local
+from swapopt.hoststate import raw_step as _raw_step
 
 # Probe dims: distinct and never 1, so each dim of a state maps back to the param dim it came from
 # (Adafactor's row and column factors, say). Beyond four dims the product grows too fast: then only
@@ -43,19 +43,6 @@ class KeySpec:
         if self.dims is None:
             return None
         return tuple(param_shape[-1 - d] if d < 0 else d for d in self.dims)
-
-
-def _raw_step(optimizer: torch.optim.Optimizer) -> Callable[..., Any]:
-    """The class's step without Optimizer's hook wrapper: global step hooks must not see the probe."""
-    fn = type(optimizer).step
-    return getattr(fn, "__wrapped__", fn) if getattr(fn, "hooked", False) else fn
-
-
-def _ctor_kwargs(cls: type, defaults: dict[str, Any]) -> dict[str, Any]:
-    params = inspect.signature(cls.__init__).parameters
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return dict(defaults)
-    return {k: v for k, v in defaults.items() if k in params}
 
 
 def _dims(value: torch.Tensor, tiny: torch.Tensor) -> tuple[int, ...] | None:
