@@ -109,7 +109,7 @@ def _progress(disabled: bool) -> Progress:
     )
 
 
-def _run(args: argparse.Namespace) -> list[Path]:
+def _run(args: argparse.Namespace) -> tuple[Report, list[Path]]:
     simulated = device.get_device() == "sim"
     sweep = FULL if args.full else QUICK
     if args.sizes is not None:
@@ -127,7 +127,7 @@ def _run(args: argparse.Namespace) -> list[Path]:
         repeats=args.repeats if args.repeats is not None else (1 if simulated else 5),
     )
     default_e2e = ("tiny" if simulated else "llm_1b") if args.full else "none"
-    e2e_configs = [c for c in (args.e2e or default_e2e).split(",") if c and c != "none"]
+    e2e_configs = _names(args.e2e or default_e2e)
     mod = device.get_torch_device_module()
     label = device_label()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -183,7 +183,7 @@ def _run(args: argparse.Namespace) -> list[Path]:
         sizes=results, targets=[targets_for(s) for s in results], e2e=e2e, layouts=layouts,
         notes=[SIM_NOTE] if simulated else [],
     )
-    return _write_outputs(report, args.out, stem, timeline_png[0] if timeline_png else None)
+    return report, _write_outputs(report, args.out, stem, timeline_png[0] if timeline_png else None)
 
 
 def _write_outputs(report: Report, out: Path, stem: str, timeline: Path | None) -> list[Path]:
@@ -198,13 +198,13 @@ def _write_outputs(report: Report, out: Path, stem: str, timeline: Path | None) 
     return [json_path, md_path] + ([chart] if chart else []) + ([timeline] if timeline else [])
 
 
-def _render(path: Path) -> list[Path]:
+def _render(path: Path) -> tuple[Report, list[Path]]:
     """Rebuild the markdown table and chart of an earlier run from its JSON."""
     report = Report.model_validate_json(path.read_text())
     report.targets = [targets_for(s) for s in report.sizes]
     report.layouts = [derive(r) for r in report.layouts]
     timeline = path.parent / f"{path.stem}-timeline.png"
-    return _write_outputs(report, path.parent, path.stem, timeline if timeline.exists() else None)
+    return report, _write_outputs(report, path.parent, path.stem, timeline if timeline.exists() else None)
 
 
 def _error(text: str) -> int:
@@ -244,18 +244,17 @@ def main(argv: list[str] | None = None) -> int:
               "--sim PRESET picks another preset)")
     mode = "full sweep" if args.full else "quick run (--full for the whole sweep)"
     if args.render:
-        paths = _render(args.render)
+        report, paths = _render(args.render)
     elif preset:
         from device import sim
 
         print(f"{mode}: {FULL_COST if args.full else QUICK_COST}")
         # Simulated tensors are real host memory; the preset's capacity stands for the device's.
         with sim.activate(preset, sanitize=args.sanitize):
-            paths = _run(args)
+            report, paths = _run(args)
     else:
         print(mode)
-        paths = _run(args)
-    report = Report.model_validate_json(paths[0].read_text())
+        report, paths = _run(args)
     if report.sizes:
         print(summary_table(report))
     if report.layouts:

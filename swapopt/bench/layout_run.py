@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from loguru import logger
@@ -19,8 +20,8 @@ import device
 from swapopt.bench.counts import count_call, host_cpu_seconds, pinned_host_bytes
 from swapopt.bench.layouts import Layout, get_layout, make_layout_params, scale_to_fit
 from swapopt.bench.measure import Bandwidth, bound_ms, free_device_memory, measure_bandwidth, time_steps
-from swapopt.bench.run import MAX_PROBE_BYTES
-from swapopt.bench.strategies import AdamWSpec, Impl, make_strategy
+from swapopt.bench.run import MAX_PROBE_BYTES, measure_strategy, swap_budget
+from swapopt.bench.strategies import AdamWSpec, Impl
 
 DEFAULT_TIMES = (16, 64)
 # On the simulator every tensor is real host memory, shared with whatever else runs there: 64 M params
@@ -102,10 +103,8 @@ def _measure(
 ) -> LayoutRow:
     row = LayoutRow(kind=kind, label=kind)
     pinned_before = _pinned_now()
-    strategy = None
-    try:
-        strategy = make_strategy(kind, params, spec, times=times, slots=slots)
-        row.label = strategy.label
+
+    def measure(strategy: Any) -> None:
         # torch's optimizer does one-time host work (lazy imports, wrappers) in its first steps: two
         # warm-up steps at least keep it out of the host-time figures below.
         timing = time_steps(strategy, warmup=max(warmup, 2), repeats=repeats)
@@ -126,16 +125,9 @@ def _measure(
         if kind == "swapopt":
             row.times, row.slots = times, slots
             row.chunks = strategy.opt.swap_stats().chunks
-            row.chunk_bytes = -(-state_bytes // max(row.chunks, 1))
-            row.cap_bytes = (slots + 1) * row.chunk_bytes
-    except torch.OutOfMemoryError:
-        row.note = "OOM"
-        logger.warning("{}: out of device memory", row.label)
-    finally:
-        if strategy is not None:
-            strategy.close()
-        del strategy
-        free_device_memory()
+            row.chunk_bytes, row.cap_bytes = swap_budget(state_bytes, row.chunks, slots)
+
+    measure_strategy(kind, params, spec, times, slots, row, measure)
     return row
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from loguru import logger
@@ -80,6 +81,34 @@ def plan_length(cfg: BenchConfig) -> int:
     return len(_plan(cfg))
 
 
+def swap_budget(state_bytes: int, chunks: int, slots: int) -> tuple[int, int]:
+    """(chunk bytes, cap bytes) of a swapopt step: the state bytes over the chunk count the engine
+    planned, and (slots + 1) such chunks."""
+    chunk_bytes = -(-state_bytes // max(chunks, 1))
+    return chunk_bytes, (slots + 1) * chunk_bytes
+
+
+def measure_strategy(
+    kind: str, params: list[torch.nn.Parameter], spec: AdamWSpec, times: int, slots: int, row: Any,
+    measure: Callable[[Any], None], where: str = "",
+) -> None:
+    """Build `kind`'s strategy, label `row` after it and run `measure(strategy)`. Out of device memory,
+    the row is noted "OOM"; the strategy is closed and device memory freed either way."""
+    strategy = None
+    try:
+        strategy = make_strategy(kind, params, spec, times=times, slots=slots)
+        row.label = strategy.label
+        measure(strategy)
+    except torch.OutOfMemoryError:
+        row.note = "OOM"
+        logger.warning("{}{}: out of device memory", row.label, where)
+    finally:
+        if strategy is not None:
+            strategy.close()
+        del strategy
+        free_device_memory()
+
+
 def run_size(
     size_b: float,
     cfg: BenchConfig,
@@ -104,31 +133,21 @@ def run_size(
     rows: list[Row] = []
     for kind, times, slots in plan:
         row = Row(size_b=size_b, numel=shape.numel, kind=kind, label=kind, reproduces=STRATEGY_DOCS[kind])
-        strategy = None
-        try:
-            strategy = make_strategy(kind, params, spec, times=times or 16, slots=slots or 3)
-            row.label = strategy.label
+
+        def measure(strategy: Any) -> None:
             timing = time_steps(strategy, warmup=cfg.warmup, repeats=cfg.repeats)
             row.step_ms, row.peak_extra_bytes = timing.step_ms, timing.peak_extra_bytes
             row.host_bytes = strategy.host_bytes()
             if kind == "swapopt":
                 row.times, row.slots = times, slots
-                # The chunk budget: state bytes over the chunk count the engine planned.
-                row.chunk_bytes = -(-state_bytes // max(strategy.opt.swap_stats().chunks, 1))
-                row.cap_bytes = (slots + 1) * row.chunk_bytes
+                row.chunk_bytes, row.cap_bytes = swap_budget(state_bytes, strategy.opt.swap_stats().chunks, slots)
                 if timeline_hook is not None and (kind, times, slots) == timeline_target:
                     timeline_hook(strategy)
             elif kind == "one-in-flight":
                 row.times = times
                 row.chunk_bytes = strategy.chunk_bytes()
-        except torch.OutOfMemoryError:
-            row.note = "OOM"
-            logger.warning("{} at {}B: out of device memory", row.label, size_b)
-        finally:
-            if strategy is not None:
-                strategy.close()
-            del strategy
-            free_device_memory()
+
+        measure_strategy(kind, params, spec, times or 16, slots or 3, row, measure, where=f" at {size_b}B")
         rows.append(row)
         on_done(row.label)
 

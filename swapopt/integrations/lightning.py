@@ -31,6 +31,7 @@ import torch
 from loguru import logger
 
 import device
+from swapopt.copying import pinned_copy
 from swapopt.optimizer import SwapOptimizer
 
 try:
@@ -71,9 +72,7 @@ def keep_states_on_host(optimizers: Iterable[Any]) -> int:
                     continue
                 if hasattr(value, "to_local"):  # DTensor: swapopt re-homes those at its next step
                     continue
-                home = device.pinned_empty(tuple(value.shape), dtype=value.dtype)
-                home.copy_(value)
-                st[key] = home
+                st[key] = pinned_copy(value)
                 moved += 1
         if moved > before:
             opt.invalidate()  # the cached host layout points at the replaced tensors
