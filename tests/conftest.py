@@ -6,6 +6,7 @@ import dataclasses
 from collections.abc import Iterator
 
 import pytest
+import torch.distributed as dist
 
 from device import sim as simulator
 
@@ -22,6 +23,16 @@ def sim(clean_device_env: pytest.MonkeyPatch) -> Iterator[simulator.SimDevice]:
     """A fresh simulated H100 (sanitizer on) for the duration of the test."""
     with simulator.activate() as device:
         yield device
+
+
+@pytest.fixture
+def pg(sim, tmp_path) -> Iterator[None]:
+    """One gloo rank over a file store, on the simulated device: a process group for FSDP2 and DCP."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.fixture

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+import device
 from swapopt import SwapOptimizer
 
 
@@ -82,6 +83,17 @@ def host_states(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
     """The swapped states (all but ``step``), once in-flight swap-outs have landed."""
     opt.wait_for_swap_out()
     return [v for s in opt.state.values() for k, v in s.items() if k != "step"]
+
+
+def assert_host_states(opt: torch.optim.Optimizer) -> int:
+    """Assert that every state but ``step`` is a host tensor (naming the key); return how many were checked."""
+    checked = 0
+    for st in opt.state.values():
+        for key, value in st.items():
+            if key != "step":
+                assert device.is_host_tensor(value), key
+                checked += 1
+    return checked
 
 
 def forward_backward(model: nn.Module, step: int) -> None:
