@@ -96,6 +96,35 @@ def assert_host_states(opt: torch.optim.Optimizer) -> int:
     return checked
 
 
+def snapshot_params(params, state) -> list[tuple[torch.Tensor, dict]]:
+    """Each param's value and state, cloned."""
+    return [
+        (p.detach().clone(), {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.get(p, {}).items()})
+        for p in params
+    ]
+
+
+def matches_snapshot(p, st, snap) -> bool:
+    """Whether param ``p`` with state ``st`` equals one entry of snapshot_params."""
+    value, states = snap
+    if not torch.equal(p.detach(), value) or set(st) != set(states):
+        return False
+    return all(torch.equal(st[k], v) if isinstance(v, torch.Tensor) else st[k] == v for k, v in states.items())
+
+
+def adopt(r, ref_state, value, states) -> None:
+    """Give reference param ``r`` a value and states (device memory for swapped ones, as torch keeps them;
+    scalar states keep their kind: a host literal, or on the device for fused)."""
+    r.data.copy_(value)
+    ref_state.pop(r, None)
+    if states:
+        ref_state[r] = {
+            k: (torch.empty(v.shape, dtype=v.dtype).copy_(v) if isinstance(v, torch.Tensor) and v.dim() else
+                v.clone() if isinstance(v, torch.Tensor) else v)
+            for k, v in states.items()
+        }  # fmt: skip
+
+
 def forward_backward(model: nn.Module, step: int) -> None:
     g = torch.Generator().manual_seed(step)
     model(torch.randn(4, 16, generator=g)).pow(2).mean().backward()
