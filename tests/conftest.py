@@ -1,4 +1,5 @@
-"""Shared fixtures: a scoped simulated accelerator and a clean device environment."""
+"""Shared fixtures: a scoped simulated accelerator, a clean device environment, a one-rank process group
+and the library's logging quieted after a CLI run."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch.distributed as dist
+from loguru import logger
 
 from device import sim as simulator
 
@@ -33,6 +35,14 @@ def pg(sim, tmp_path) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+
+
+@pytest.fixture
+def quiet_library_after() -> Iterator[None]:
+    # main() enables the library's logging as a CLI should; give the rest of the session its default back.
+    yield
+    logger.disable("swapopt")
+    logger.disable("device")
 
 
 @pytest.fixture
