@@ -1,4 +1,5 @@
-"""Shared fixtures: a scoped simulated accelerator and a clean device environment."""
+"""Shared fixtures: a scoped simulated accelerator, a clean device environment, a one-rank process group
+and the library's logging quieted after a CLI run."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import dataclasses
 from collections.abc import Iterator
 
 import pytest
+import torch.distributed as dist
+from loguru import logger
 
 from device import sim as simulator
 
@@ -22,6 +25,24 @@ def sim(clean_device_env: pytest.MonkeyPatch) -> Iterator[simulator.SimDevice]:
     """A fresh simulated H100 (sanitizer on) for the duration of the test."""
     with simulator.activate() as device:
         yield device
+
+
+@pytest.fixture
+def pg(sim, tmp_path) -> Iterator[None]:
+    """One gloo rank over a file store, on the simulated device: a process group for FSDP2 and DCP."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture
+def quiet_library_after() -> Iterator[None]:
+    # main() enables the library's logging as a CLI should; give the rest of the session its default back.
+    yield
+    logger.disable("swapopt")
+    logger.disable("device")
 
 
 @pytest.fixture

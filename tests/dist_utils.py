@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+import device
 from swapopt import SwapOptimizer
 
 
@@ -82,6 +83,46 @@ def host_states(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
     """The swapped states (all but ``step``), once in-flight swap-outs have landed."""
     opt.wait_for_swap_out()
     return [v for s in opt.state.values() for k, v in s.items() if k != "step"]
+
+
+def assert_host_states(opt: torch.optim.Optimizer) -> int:
+    """Assert that every state but ``step`` is a host tensor (naming the key); return how many were checked."""
+    checked = 0
+    for st in opt.state.values():
+        for key, value in st.items():
+            if key != "step":
+                assert device.is_host_tensor(value), key
+                checked += 1
+    return checked
+
+
+def snapshot_params(params, state) -> list[tuple[torch.Tensor, dict]]:
+    """Each param's value and state, cloned."""
+    return [
+        (p.detach().clone(), {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.get(p, {}).items()})
+        for p in params
+    ]
+
+
+def matches_snapshot(p, st, snap) -> bool:
+    """Whether param ``p`` with state ``st`` equals one entry of snapshot_params."""
+    value, states = snap
+    if not torch.equal(p.detach(), value) or set(st) != set(states):
+        return False
+    return all(torch.equal(st[k], v) if isinstance(v, torch.Tensor) else st[k] == v for k, v in states.items())
+
+
+def adopt(r, ref_state, value, states) -> None:
+    """Give reference param ``r`` a value and states (device memory for swapped ones, as torch keeps them;
+    scalar states keep their kind: a host literal, or on the device for fused)."""
+    r.data.copy_(value)
+    ref_state.pop(r, None)
+    if states:
+        ref_state[r] = {
+            k: (torch.empty(v.shape, dtype=v.dtype).copy_(v) if isinstance(v, torch.Tensor) and v.dim() else
+                v.clone() if isinstance(v, torch.Tensor) else v)
+            for k, v in states.items()
+        }  # fmt: skip
 
 
 def forward_backward(model: nn.Module, step: int) -> None:

@@ -7,7 +7,6 @@ import json
 
 import pytest
 import torch
-from loguru import logger
 
 import device
 from device import sim
@@ -98,14 +97,6 @@ def test_clone_params_independent():
             copies[0].add_(1.0)
         assert not torch.equal(params[0], copies[0])
         assert torch.equal(params[1], copies[1]) and torch.equal(params[1].grad, copies[1].grad)
-
-
-@pytest.fixture
-def quiet_library_after():
-    # main() enables the library's logging as a CLI should; give the rest of the session its default back.
-    yield
-    logger.disable("swapopt")
-    logger.disable("device")
 
 
 @pytest.mark.usefixtures("quiet_library_after")

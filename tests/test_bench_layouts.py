@@ -8,7 +8,6 @@ import math
 
 import pytest
 import torch
-from loguru import logger
 
 import device
 from swapopt.bench.counts import LaunchCounter, count_call, pinned_host_bytes
@@ -184,14 +183,6 @@ def test_make_layout_params_builds_the_layout(sim):
     params = make_layout_params("llama7b", scale=512)
     assert [tuple(p.shape) for p in params] == lay.shapes
     assert all(not device.is_host_tensor(p) and p.grad is not None for p in params)
-
-
-@pytest.fixture
-def quiet_library_after():
-    # main() enables the library's logging as a CLI should; give the rest of the session its default back.
-    yield
-    logger.disable("swapopt")
-    logger.disable("device")
 
 
 @pytest.mark.usefixtures("quiet_library_after")

@@ -62,17 +62,24 @@ def plain_checkpoint(make_inner, steps: int = 3):
     return ref, plain.state_dict()
 
 
+def load_both(ref0, make_inner, sd: dict):
+    """Copies of ``ref0`` with ``sd`` loaded into a plain optimizer (from device memory, as torch would) and
+    into a SwapOptimizer: (ref, plain, model, opt). Call with the simulator active."""
+    ref, model = copy_model(ref0), copy_model(ref0)
+    plain = make_inner(ref.parameters())
+    plain.load_state_dict(to_device(sd))
+    opt = SwapOptimizer(make_inner(model.parameters()), swap_optimizer_times=3)
+    opt.load_state_dict(sd)
+    return ref, plain, model, opt
+
+
 @pytest.mark.parametrize("name", list(INNERS))
 def test_older_checkpoint_loads_like_torch_and_steps_bitwise(name):
     make_inner = INNERS[name]
     ref0, sd = plain_checkpoint(make_inner)
     old = old_format(sd)
     with simulator.activate("h100", sanitize=True):
-        ref, model = copy_model(ref0), copy_model(ref0)
-        plain = make_inner(ref.parameters())
-        plain.load_state_dict(to_device(old))
-        opt = SwapOptimizer(make_inner(model.parameters()), swap_optimizer_times=3)
-        opt.load_state_dict(old)
+        ref, plain, model, opt = load_both(ref0, make_inner, old)
         # What torch's own load gives (tensor step, filled group keys), swapped states in pinned host memory.
         assert_same_state(snapshot(ref, plain), snapshot(model, opt))
         steps = [s["step"] for s in opt.state.values() if "step" in s]
@@ -91,11 +98,7 @@ def test_xtuner_style_none_state_loads_and_continues_bitwise():
     for st in sd["state"].values():
         st["max_exp_avg_sq"] = None
     with simulator.activate("h100", sanitize=True):
-        ref, model = copy_model(ref0), copy_model(ref0)
-        plain = make_inner(ref.parameters())
-        plain.load_state_dict(to_device(sd))
-        opt = SwapOptimizer(make_inner(model.parameters()), swap_optimizer_times=3)
-        opt.load_state_dict(sd)
+        ref, plain, model, opt = load_both(ref0, make_inner, sd)
         train(ref, plain, 2, start=3)
         train(model, opt, 2, start=3)
         want, got = snapshot(ref, plain), snapshot(model, opt)
@@ -111,11 +114,7 @@ def test_sgd_states_the_step_does_without_load():
     sd["state"][0] = {}
     sd["state"][1] = {"momentum_buffer": None}
     with simulator.activate("h100", sanitize=True):
-        ref, model = copy_model(ref0), copy_model(ref0)
-        plain = make_inner(ref.parameters())
-        plain.load_state_dict(to_device(sd))
-        opt = SwapOptimizer(make_inner(model.parameters()), swap_optimizer_times=3)
-        opt.load_state_dict(sd)
+        ref, plain, model, opt = load_both(ref0, make_inner, sd)
         train(ref, plain, 2, start=3)
         train(model, opt, 2, start=3)
         assert_same_state(snapshot(ref, plain), snapshot(model, opt))

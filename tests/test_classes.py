@@ -6,8 +6,8 @@ import inspect
 
 import pytest
 import torch
+from dist_utils import assert_host_states
 
-import device
 import swapopt
 from swapopt import SwapAdam, SwapAdamW, SwapOptimizer, swap_class
 
@@ -59,10 +59,7 @@ def test_class_form_is_bitwise_the_inner_optimizer_and_swaps(sim, cls, inner, kw
     _run(ref, ref_params, 3)
     _same(params, opt, ref_params, ref)
     assert opt.swap_stats().h2d_bytes > 0  # states really streamed through the (simulated) device
-    for st in opt.state.values():
-        for key, value in st.items():
-            if key != "step":
-                assert device.is_host_tensor(value), key
+    assert_host_states(opt)
 
 
 def test_positional_args_groups_and_knobs_reach_their_places(sim):

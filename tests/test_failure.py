@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from dist_utils import adopt, matches_snapshot, snapshot_params
 from loguru import logger
 
 import device
@@ -121,21 +122,6 @@ def _set_grads(ps, rs):
         p.grad, r.grad = g.clone(), g.clone()
 
 
-def _snapshot(params, state):
-    """Each param's value and state, cloned."""
-    return [
-        (p.detach().clone(), {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.get(p, {}).items()})
-        for p in params
-    ]
-
-
-def _matches(p, st, snap) -> bool:
-    value, states = snap
-    if not torch.equal(p.detach(), value) or set(st) != set(states):
-        return False
-    return all(torch.equal(st[k], v) if isinstance(v, torch.Tensor) else st[k] == v for k, v in states.items())
-
-
 def _split_indices(opt):
     chunks = opt._prepared.plan.chunks
     return {i for i in range(len(SPLIT_SIZES)) if sum(pc.index == i for c in chunks for pc in c.pieces) > 1}
@@ -192,7 +178,7 @@ def test_roll_forward_at_every_chunk(name, fail_step):
                     ref.step()
                     continue
                 opt.wait_for_swap_out()
-                old = _snapshot(rs, ref.state)
+                old = snapshot_params(rs, ref.state)
                 base = dev.memory_allocated() - _scalar_bytes(dev, opt, ps)
                 inject = _Injector(opt, k)
                 with pytest.raises(Boom):
@@ -206,11 +192,11 @@ def test_roll_forward_at_every_chunk(name, fail_step):
                 # staging and recovery buffers released; only device-resident scalar states (fused step) added
                 assert dev.memory_allocated() == base + _scalar_bytes(dev, opt, ps), "staging not released"
                 ref.step()
-                stepped = _snapshot(rs, ref.state)
+                stepped = snapshot_params(rs, ref.state)
                 opt.wait_for_swap_out()
                 for i, p in enumerate(ps):  # begun before chunk k: stepped (rolled forward if split); else old
                     expect = stepped[i] if i in begun else old[i]
-                    assert _matches(p, opt.state.get(p, {}), expect), f"chunk {k}: param {i}"
+                    assert matches_snapshot(p, opt.state.get(p, {}), expect), f"chunk {k}: param {i}"
                 for i, r in enumerate(rs):  # the reference takes the same outcome
                     if i not in begun:
                         r.data.copy_(old[i][0])
@@ -228,21 +214,10 @@ def _first_boundary_chunk(opt):
     return next(k for k, c in enumerate(opt._prepared.plan.chunks) if k and c.pieces[0].start > 0)
 
 
-def _on_device(v):
-    if not isinstance(v, torch.Tensor):
-        return v
-    if v.dim() == 0:
-        return v.clone()  # scalar states keep their kind (a host literal, or on the device for fused)
-    return torch.empty(v.shape, dtype=v.dtype).copy_(v)  # host state -> device memory, as the reference keeps it
-
-
 def _adopt(ps, opt, rs, ref):
     """Give the reference the optimizer's params and states."""
     for p, r in zip(ps, rs):
-        r.data.copy_(p.detach())
-        ref.state.pop(r, None)
-        if opt.state.get(p):
-            ref.state[r] = {k: _on_device(v) for k, v in opt.state[p].items()}
+        adopt(r, ref.state, p.detach(), opt.state.get(p))
 
 
 @pytest.mark.parametrize("name", ["adamw_foreach", "sgd_momentum"])
@@ -270,7 +245,7 @@ def test_straddling_param_left_partial_is_reported(name, mode, fail_step):
                 plan = opt._prepared.plan
                 i = plan.chunks[k].pieces[0].index
                 cut = plan.chunks[k].pieces[0].start
-                old = _snapshot(rs, ref.state)
+                old = snapshot_params(rs, ref.state)
                 base = dev.memory_allocated() - _scalar_bytes(dev, opt, ps)
                 if mode == "inside_update":
                     restore = _fail_on_call(opt, k)
@@ -284,12 +259,12 @@ def test_straddling_param_left_partial_is_reported(name, mode, fail_step):
                     inject.stop()
                 assert dev.memory_allocated() == base + _scalar_bytes(dev, opt, ps), "staging not released"
                 ref.step()
-                stepped = _snapshot(rs, ref.state)
+                stepped = snapshot_params(rs, ref.state)
                 opt.wait_for_swap_out()
                 begun = _begun(plan, k)
                 for j, p in enumerate(ps):
                     if j != i:
-                        assert _matches(p, opt.state.get(p, {}), stepped[j] if j in begun - {i} else old[j]), j
+                        assert matches_snapshot(p, opt.state.get(p, {}), stepped[j] if j in begun - {i} else old[j]), j
                 # the straddling param: elements before the cut stepped, the rest old, per element with states
                 p, st = ps[i].detach(), opt.state.get(ps[i], {})
                 assert torch.equal(p[:cut], stepped[i][0][:cut]) and torch.equal(p[cut:], old[i][0][cut:])
@@ -329,7 +304,7 @@ def test_roll_forward_with_one_slot():
             if step == 2:
                 k = _first_boundary_chunk(opt)
                 opt.wait_for_swap_out()
-                before = _snapshot(ps, opt.state)
+                before = snapshot_params(ps, opt.state)
                 inject = _Injector(opt, k)
                 with pytest.raises(Boom):
                     opt.step()
@@ -337,7 +312,7 @@ def test_roll_forward_with_one_slot():
                 opt.wait_for_swap_out()
                 begun = _begun(opt._prepared.plan, k)
                 untouched = [i for i in range(len(ps)) if i not in begun]
-                assert untouched and all(_matches(ps[i], opt.state[ps[i]], before[i]) for i in untouched)
+                assert untouched and all(matches_snapshot(ps[i], opt.state[ps[i]], before[i]) for i in untouched)
                 for i in untouched:  # the reference steps the others only
                     rs[i].grad = None
                 ref.step()

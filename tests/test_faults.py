@@ -12,6 +12,7 @@ import gc
 
 import pytest
 import torch
+from dist_utils import adopt, matches_snapshot, snapshot_params
 from loguru import logger
 
 import device
@@ -34,32 +35,6 @@ class Boom(RuntimeError):
 def _params() -> list[torch.nn.Parameter]:
     made = [torch.randn(3000), torch.randn(60, 50).t(), torch.randn(700), torch.randn(())]
     return [torch.nn.Parameter(t) for t in made]
-
-
-def _snapshot(ps, state) -> list[tuple[torch.Tensor, dict]]:
-    return [
-        (p.detach().clone(), {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.get(p, {}).items()})
-        for p in ps
-    ]
-
-
-def _matches(p, st, snap) -> bool:
-    value, states = snap
-    if not torch.equal(p.detach(), value) or set(st) != set(states):
-        return False
-    return all(torch.equal(st[k], v) if isinstance(v, torch.Tensor) else st[k] == v for k, v in states.items())
-
-
-def _set(r, st_ref, snap_value, snap_states) -> None:
-    """Give reference param r a value and states (device memory for swapped ones, as torch keeps them)."""
-    r.data.copy_(snap_value)
-    st_ref.pop(r, None)
-    if snap_states:
-        st_ref[r] = {
-            k: (torch.empty(v.shape, dtype=v.dtype).copy_(v) if isinstance(v, torch.Tensor) and v.dim() else
-                v.clone() if isinstance(v, torch.Tensor) else v)
-            for k, v in snap_states.items()
-        }  # fmt: skip
 
 
 def _grads(ps, rs) -> None:
@@ -142,7 +117,7 @@ def test_fault_at_every_stage(stage, fail_step, name, monkeypatch):
                 assert any(pc.start > 0 for c in plan.chunks for pc in c.pieces), "no param is split"
                 # the first chunk that continues a param begun in the chunk before: the worst place to fail
                 k = next(j for j, c in enumerate(plan.chunks) if j and c.pieces[0].start > 0)
-                old = _snapshot(rs, ref.state)
+                old = snapshot_params(rs, ref.state)
                 gc.collect()
                 base = dev.memory_allocated()
                 injector = _Injector(monkeypatch, opt, stage, k)
@@ -155,7 +130,7 @@ def test_fault_at_every_stage(stage, fail_step, name, monkeypatch):
                 stats = opt.swap_stats()
                 assert stats.failed and stats.last_error
                 ref.step()
-                stepped = _snapshot(rs, ref.state)
+                stepped = snapshot_params(rs, ref.state)
                 opt.wait_for_swap_out()
                 named = {i for i, p in enumerate(ps) if any(f"of shape {tuple(p.shape)}" in m for m in messages)}
                 if stage == "inside_update":  # every param of the failed chunk is named in the ERROR log
@@ -164,16 +139,16 @@ def test_fault_at_every_stage(stage, fail_step, name, monkeypatch):
                     assert not messages, messages
                 for i, (p, r) in enumerate(zip(ps, rs)):
                     st = opt.state.get(p, {})
-                    if _matches(p, st, stepped[i]):
+                    if matches_snapshot(p, st, stepped[i]):
                         continue  # the reference keeps its step
-                    if _matches(p, st, old[i]):
-                        _set(r, ref.state, *old[i])
+                    if matches_snapshot(p, st, old[i]):
+                        adopt(r, ref.state, *old[i])
                         continue
                     assert stage == "inside_update" and i in named, f"param {i} is neither stepped nor untouched"
-                    _set(r, ref.state, p.detach(), st)  # named partial: the reference adopts it
+                    adopt(r, ref.state, p.detach(), st)  # named partial: the reference adopts it
             opt.wait_for_swap_out()
             for i, (p, r) in enumerate(zip(ps, rs)):  # later steps match bitwise
-                assert _matches(p, opt.state.get(p, {}), _snapshot([r], ref.state)[0]), f"param {i}"
+                assert matches_snapshot(p, opt.state.get(p, {}), snapshot_params([r], ref.state)[0]), f"param {i}"
             assert not opt.swap_stats().failed
     finally:
         logger.remove(handle)

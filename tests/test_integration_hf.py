@@ -13,8 +13,8 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
+from dist_utils import assert_host_states  # noqa: E402
 
-import device  # noqa: E402
 from swapopt import SwapAdamW, SwapOptimizer  # noqa: E402
 
 OPTIM_KW = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
@@ -42,11 +42,7 @@ class HostStates(TrainerCallback):
         opt = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps ours
         assert isinstance(opt, SwapOptimizer)
         opt.wait_for_swap_out()
-        for st in opt.state.values():
-            for key, value in st.items():
-                if key != "step":
-                    assert device.is_host_tensor(value), key
-                    self.checked += 1
+        self.checked += assert_host_states(opt)
 
 
 def tiny_llama() -> LlamaForCausalLM:

@@ -13,6 +13,7 @@ import lightning as L  # noqa: E402
 import lightning.pytorch.strategies.strategy as strategy_module  # noqa: E402
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 from lightning.pytorch.strategies import SingleDeviceStrategy  # noqa: E402
+from dist_utils import assert_host_states  # noqa: E402
 
 import device  # noqa: E402
 from swapopt import SwapAdamW, SwapOptimizer  # noqa: E402
@@ -61,11 +62,7 @@ class HostStates(Callback):
         opt = trainer.strategy.optimizers[0]
         assert isinstance(opt, SwapOptimizer)
         opt.wait_for_swap_out()
-        for st in opt.state.values():
-            for key, value in st.items():
-                if key != "step":
-                    assert device.is_host_tensor(value), key
-                    self.checked += 1
+        self.checked += assert_host_states(opt)
 
 
 def fit(root, module, strategy, epochs: int, ckpt_path=None, callbacks=()):

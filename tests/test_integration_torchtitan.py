@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 pytest.importorskip("torchtitan")
@@ -16,8 +15,8 @@ from torchtitan.components.optimizer import (  # noqa: E402
     OptimizersContainer,
     ParamGroupConfig,
 )
+from dist_utils import assert_host_states  # noqa: E402
 
-import device  # noqa: E402
 from swapopt import SwapOptimizer  # noqa: E402
 from swapopt.integrations.torchtitan import SwapOptimizersContainer  # noqa: E402
 
@@ -29,15 +28,6 @@ GROUPS = [
     ParamGroupConfig(pattern=r".*", optimizer_name="AdamW",
                      optimizer_kwargs={"lr": 1e-2, "weight_decay": 0.1, "betas": (0.9, 0.95)}),
 ]
-
-
-@pytest.fixture
-def pg(sim, tmp_path):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def model(seed: int) -> nn.Module:
@@ -122,10 +112,7 @@ def test_checkpoint_manager_save_load_continue_bitwise(pg, tmp_path, async_mode)
     m2, opts2, scheds2 = run(5, swap=True)  # another init: everything must come from the checkpoint
     ckpt2 = checkpointer(tmp_path / "ckpt", m2, opts2, scheds2)
     assert ckpt2.load(step=2)
-    for st in opts2.optimizers[0].state.values():
-        for key, value in st.items():
-            if key != "step":
-                assert device.is_host_tensor(value), key
+    assert_host_states(opts2.optimizers[0])
     train(m2, opts2, scheds2, 2, 2)
     assert_same(snapshot(m2, opts2), snapshot(ref_m, ref))
     ckpt2.close()

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from pydantic import ValidationError
 from xtuner_standin import TrainEngine, TrainWorker, train
 
@@ -17,16 +16,6 @@ from swapopt.integrations.xtuner import XTUNER_AVAILABLE, AdamWConfig
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
 CFG = dict(lr=1e-2, weight_decay=0.1, max_grad_norm=0.5, foreach=True)
-
-
-@pytest.fixture
-def pg(sim, tmp_path):
-    """One gloo rank, so the stand-in shards its model with FSDP2 as XTuner does."""
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def swap_cfg(**kw) -> AdamWConfig:

@@ -16,8 +16,8 @@ from mmengine.hooks import Hook  # noqa: E402
 from mmengine.model import BaseModel  # noqa: E402
 from mmengine.optim import build_optim_wrapper  # noqa: E402
 from mmengine.runner import Runner  # noqa: E402
+from dist_utils import assert_host_states  # noqa: E402
 
-import device  # noqa: E402
 from swapopt import SwapOptimizer  # noqa: E402
 from swapopt.integrations.mmengine import SwapAmpOptimWrapper, SwapOptimWrapper, swaps  # noqa: E402
 
@@ -66,11 +66,7 @@ class HostStates(Hook):
     def _check(self, runner) -> None:
         opt = runner.optim_wrapper.optimizer
         assert isinstance(opt, SwapOptimizer)
-        for state in opt.state.values():
-            for key, value in state.items():
-                if key != "step":
-                    assert device.is_host_tensor(value), key
-                    self.checked += 1
+        self.checked += assert_host_states(opt)
 
 
 def make_runner(work_dir, name: str, max_iters: int, hook: Hook, resume: bool = False) -> Runner:

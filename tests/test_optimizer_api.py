@@ -328,21 +328,27 @@ def test_cross_param_optimizer_refused_unless_opted_in(sim):
         _step_all(opt, ps)
 
 
+class _Momentum(O.Optimizer):
+    """A third-party per-param optimizer (not registered)."""
+
+    def __init__(self, params, lr=0.1):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    st = self.state[p]
+                    st["mom"] = st.get("mom", torch.zeros_like(p)).mul_(0.9).add_(p.grad)
+                    p.sub_(st["mom"], alpha=group["lr"])
+
+
 def test_register_per_param(sim):
     import swapopt
 
-    class Plain(O.Optimizer):
-        def __init__(self, params):
-            super().__init__(params, {"lr": 0.1})
-
-        @torch.no_grad()
-        def step(self, closure=None):
-            for group in self.param_groups:
-                for p in group["params"]:
-                    if p.grad is not None:
-                        st = self.state[p]
-                        st["mom"] = st.get("mom", torch.zeros_like(p)).mul_(0.9).add_(p.grad)
-                        p.sub_(st["mom"], alpha=group["lr"])
+    class Plain(_Momentum):
+        """A class of its own, so registering it leaves _Momentum unregistered."""
 
     ps = [torch.nn.Parameter(torch.randn(50)) for _ in range(3)]
     rs = [torch.nn.Parameter(p.detach().clone()) for p in ps]
@@ -424,22 +430,6 @@ def test_swap_stats_after_a_failed_step(sim):
     assert bad.model_copy(update={"failed": False, "last_error": None}) == good
     _step_all(opt, ps)
     assert not opt.swap_stats().failed and opt.swap_stats().steps == 2
-
-
-class _Momentum(O.Optimizer):
-    """A third-party per-param optimizer (not registered)."""
-
-    def __init__(self, params, lr=0.1):
-        super().__init__(params, {"lr": lr})
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    st = self.state[p]
-                    st["mom"] = st.get("mom", torch.zeros_like(p)).mul_(0.9).add_(p.grad)
-                    p.sub_(st["mom"], alpha=group["lr"])
 
 
 def test_opted_in_wrapper_copies_stay_opted_in(sim):

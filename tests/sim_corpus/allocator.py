@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from . import OK, RACE, program
-from .common import N, pinned, side_stream
+from .common import N, h2d, pinned, side_stream
 
 G = "allocator"
 
@@ -41,11 +41,8 @@ def free_while_side_stream_uses_it(sim):
 def free_after_device_record_stream(sim):
     import device
 
-    staging = torch.empty(N)
-    side = side_stream(sim)
-    host = pinned()
-    with sim.stream(side):
-        staging.copy_(host, non_blocking=True)
+    side = sim.Stream()
+    host, staging = h2d(sim, side)
     device.record_stream(staging, side)
     del staging
     sim.synchronize()
@@ -53,11 +50,8 @@ def free_after_device_record_stream(sim):
 
 @program(G, OK)
 def free_after_tensor_record_stream(sim):
-    staging = torch.empty(N)
-    side = side_stream(sim)
-    host = pinned()
-    with sim.stream(side):
-        staging.copy_(host, non_blocking=True)
+    side = sim.Stream()
+    host, staging = h2d(sim, side)
     staging.record_stream(side)
     del staging
     sim.synchronize()
@@ -65,11 +59,8 @@ def free_after_tensor_record_stream(sim):
 
 @program(G, OK)
 def free_after_compute_waits_for_side(sim):
-    staging = torch.empty(N)
-    side = side_stream(sim)
-    host = pinned()
-    with sim.stream(side):
-        staging.copy_(host, non_blocking=True)
+    side = sim.Stream()
+    host, staging = h2d(sim, side)
     sim.current_stream().wait_stream(side)
     del staging
     sim.synchronize()
@@ -77,11 +68,8 @@ def free_after_compute_waits_for_side(sim):
 
 @program(G, OK)
 def free_after_host_synchronize(sim):
-    staging = torch.empty(N)
-    side = side_stream(sim)
-    host = pinned()
-    with sim.stream(side):
-        staging.copy_(host, non_blocking=True)
+    side = sim.Stream()
+    host, staging = h2d(sim, side)
     sim.synchronize()
     del staging
 

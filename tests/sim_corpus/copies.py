@@ -9,7 +9,7 @@ import torch
 import device
 
 from . import OK, RACE, program
-from .common import N, d2h, pinned, side_stream
+from .common import N, d2h, h2d, pinned, side_stream
 
 G = "copies"
 
@@ -41,11 +41,8 @@ def d2h_into_pageable_is_blocking(sim):
 
 @program(G, RACE)
 def host_overwrites_pinned_source_of_inflight_h2d(sim):
-    host = pinned()
-    dst = torch.empty(N)
-    side = side_stream(sim)
-    with sim.stream(side):
-        dst.copy_(host, non_blocking=True)
+    side = sim.Stream()
+    host, dst = h2d(sim, side)
     host.fill_(0.0)
 
 

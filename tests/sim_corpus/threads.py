@@ -8,7 +8,7 @@ import threading
 import torch
 
 from . import OK, RACE, program
-from .common import N, pinned, side_stream
+from .common import N, h2d, pinned, side_stream
 
 G = "threads"
 
@@ -41,11 +41,8 @@ def worker_fills_pinned_buffer_then_h2d(sim):
 
 @program(G, RACE)
 def worker_writes_pinned_buffer_an_h2d_reads(sim):
-    host = pinned()
-    dst = torch.empty(N)
-    side = side_stream(sim)
-    with sim.stream(side):
-        dst.copy_(host, non_blocking=True)
+    side = sim.Stream()
+    host, dst = h2d(sim, side)
     _in_thread(lambda: host.fill_(4.0))  # the copy may still be reading it
 
 
@@ -61,11 +58,8 @@ def worker_runs_on_the_default_stream(sim):
 
 @program(G, OK)
 def worker_waits_for_the_side_stream(sim):
-    host = pinned()
-    dst = torch.empty(N)
-    side = side_stream(sim)
-    with sim.stream(side):
-        dst.copy_(host, non_blocking=True)
+    side = sim.Stream()
+    host, dst = h2d(sim, side)
 
     def body():
         sim.current_stream().wait_stream(side)
