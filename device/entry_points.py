@@ -129,11 +129,7 @@ def _is_cuda(target: Any) -> bool:
 
 def _to_sim(sim: Any, t: torch.Tensor) -> torch.Tensor:
     """`.cuda()`: device memory stays, host memory is copied to a device tensor."""
-    if not sim.is_host(t):
-        return t
-    out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype)
-    out.copy_(t)
-    return out
+    return sim._device_copy(t) if sim.is_host(t) else t
 
 
 def _tensor_cuda(original):
