@@ -540,14 +540,15 @@ class SimDevice:
                 continue
             if alloc_clock.get(rec.actor, 0) >= rec.epoch or host_clock.get(rec.actor, 0) >= rec.epoch:
                 continue
+            alloc_stream = self._actor_names[info.alloc_actor]
             self._pending = StreamRaceError(
                 f"a device tensor of shape {tuple(rec.shape)} ({info.nbytes} bytes, storage #{info.uid}) "
-                f"allocated on {self._actor_names[info.alloc_actor]} was freed while {rec.op} on {where(rec, self._actor_names)} "
+                f"allocated on {alloc_stream} was freed while {rec.op} on {where(rec, self._actor_names)} "
                 f"may still use it; call device.record_stream(t, stream) before dropping it or make "
-                f"{self._actor_names[info.alloc_actor]} wait for that stream",
+                f"{alloc_stream} wait for that stream",
                 kind="free",
                 earlier=rec,
-                stream=self._actor_names[info.alloc_actor],
+                stream=alloc_stream,
                 earlier_stream=self._actor_names[rec.actor],
                 storage=info.uid,
                 nbytes=info.nbytes,
