@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from device.ops import arg_value
+from device.ops import _packets, arg_value
 
 
 class Flops(NamedTuple):
@@ -68,6 +68,11 @@ def _priced(count: float, dtype: torch.dtype, tf32: Callable[[], bool]) -> Flops
     return None
 
 
+def _by_packet(by_name: dict[str, Any]) -> dict[Any, Any]:
+    """The same table keyed by aten op packet, for the ops this torch version has."""
+    return {p: value for name, value in by_name.items() if (p := getattr(torch.ops.aten, name, None)) is not None}
+
+
 def _matmul_dims(a: Sequence[int], b: Sequence[int]) -> float:
     """Multiply-adds of torch.matmul(a, b) with its 1-D promotion and batch broadcasting."""
     a2 = (1, *a) if len(a) == 1 else tuple(a)
@@ -92,9 +97,8 @@ def _mm(func: Any, args: tuple, kwargs: dict) -> Flops | None:
 
 
 # packet -> the argument names of its two matrix operands
-_MM_OPERANDS: dict[Any, tuple[str, str]] = {
-    p: names
-    for name, names in {
+_MM_OPERANDS: dict[Any, tuple[str, str]] = _by_packet(
+    {
         "mm": ("self", "mat2"),
         "addmm": ("mat1", "mat2"),
         "_addmm_activation": ("mat1", "mat2"),
@@ -107,9 +111,8 @@ _MM_OPERANDS: dict[Any, tuple[str, str]] = {
         "vdot": ("self", "other"),
         "matmul": ("self", "other"),
         "linear": ("input", "weight"),
-    }.items()
-    if (p := getattr(torch.ops.aten, name, None)) is not None
-}
+    }
+)
 
 
 def _causal_fraction(q_len: int, k_len: int, bottom_right: bool) -> float:
@@ -152,9 +155,8 @@ def _attention(func: Any, args: tuple, kwargs: dict) -> Flops | None:
 
 
 # packet -> (is a backward op, layout is (batch, heads, seq, dim))
-_ATTENTION: dict[Any, tuple[bool, bool]] = {
-    p: kind
-    for name, kind in {
+_ATTENTION: dict[Any, tuple[bool, bool]] = _by_packet(
+    {
         "_scaled_dot_product_flash_attention_for_cpu": (False, True),
         "_scaled_dot_product_flash_attention_for_cpu_backward": (True, True),
         "_scaled_dot_product_flash_attention": (False, True),
@@ -167,9 +169,8 @@ _ATTENTION: dict[Any, tuple[bool, bool]] = {
         "_flash_attention_backward": (True, False),
         "_efficient_attention_forward": (False, False),
         "_efficient_attention_backward": (True, False),
-    }.items()
-    if (p := getattr(torch.ops.aten, name, None)) is not None
-}
+    }
+)
 
 
 def _conv_macs(weight: Sequence[int], batch: int, spatial: Sequence[int]) -> float:
@@ -227,10 +228,7 @@ def _per_dim(value: Any, n: int, default: int) -> list[int]:
     return values * n if len(values) == 1 else values
 
 
-_CONVOLUTION = frozenset(
-    p for p in (getattr(torch.ops.aten, n, None) for n in ("convolution", "_convolution", "convolution_backward"))
-    if p is not None
-)  # fmt: skip
+_CONVOLUTION = _packets("convolution", "_convolution", "convolution_backward")
 
 
 def op_flops(func: Any, args: tuple, kwargs: dict) -> Flops | None:

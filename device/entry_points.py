@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from device.modes import active as _sim
+
 _SAVED: dict[tuple[Any, str], Any] = {}
 _REGISTERED: list[bool] = []
 
@@ -35,12 +37,6 @@ _COLLECTIVES = (
     "all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
     "reduce_scatter_tensor", "all_to_all_single", "all_to_all",
 )  # fmt: skip
-
-
-def _sim() -> Any:
-    from device.sim import active
-
-    return active()
 
 
 _INHERITED = object()  # the attribute came from a base class: delete ours to restore it
@@ -129,11 +125,7 @@ def _is_cuda(target: Any) -> bool:
 
 def _to_sim(sim: Any, t: torch.Tensor) -> torch.Tensor:
     """`.cuda()`: device memory stays, host memory is copied to a device tensor."""
-    if not sim.is_host(t):
-        return t
-    out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype)
-    out.copy_(t)
-    return out
+    return sim._device_copy(t) if sim.is_host(t) else t
 
 
 def _tensor_cuda(original):
@@ -155,13 +147,12 @@ def _tensor_to(original):
             return original(self, *args, **kwargs)
         if args and _is_cuda(args[0]):
             args = args[1:]
-            out = original(self, *args, **kwargs) if (args or kwargs) else self
-            return _to_sim(sim, out)
-        if _is_cuda(kwargs.get("device")):
+        elif _is_cuda(kwargs.get("device")):
             kwargs = {k: v for k, v in kwargs.items() if k != "device"}
-            out = original(self, *args, **kwargs) if (args or kwargs) else self
-            return _to_sim(sim, out)
-        return original(self, *args, **kwargs)
+        else:
+            return original(self, *args, **kwargs)
+        out = original(self, *args, **kwargs) if (args or kwargs) else self
+        return _to_sim(sim, out)
 
     return to
 

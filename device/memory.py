@@ -93,18 +93,25 @@ class DeviceMemory:
             return self.allocated + size <= self.capacity
         if size == 0 or self._cached_fit(size) is not None:
             return True
-        return self.reserved - self._releasable() + self.segment_size(size) <= self.capacity
+        return self._segment_fits(self.segment_size(size))
+
+    def _segment_fits(self, new: int) -> bool:
+        """Whether a new segment of `new` bytes can be reserved (after releasing unused segments if need be)."""
+        return self.reserved - self._releasable() + new <= self.capacity
 
     def allocate(self, nbytes: int) -> Block | None:
-        """Take a block for `nbytes`, or None when the device is out of memory."""
+        """Take a block for `nbytes`, or None when the device is out of memory (the checks of `fits`, made once)."""
         size = self.block_size(nbytes)
-        if not self.fits(nbytes):
-            return None
         segment = None
-        if self.caching and size:
+        if not self.caching:
+            if self.allocated + size > self.capacity:
+                return None
+        elif size:
             segment = self._cached_fit(size)
             if segment is None:
                 new = self.segment_size(size)
+                if not self._segment_fits(new):
+                    return None
                 if self.reserved + new > self.capacity:
                     self.empty_cache()
                 segment = Segment(new, self._pool(size))

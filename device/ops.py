@@ -103,22 +103,25 @@ def tensors(value: Any) -> list[torch.Tensor]:
     return []
 
 
+def _span(t: torch.Tensor) -> int:
+    """Elements from a non-empty view's first element to its last, inclusive."""
+    return 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+
+
 def byte_range(t: torch.Tensor) -> tuple[int, int] | None:
     """Bytes of its storage a view can touch: [first element, last element + 1)."""
     if t.numel() == 0:
         return None
     itemsize = t.element_size()
     offset = t.storage_offset()
-    span = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
-    return offset * itemsize, (offset + span) * itemsize
+    return offset * itemsize, (offset + _span(t)) * itemsize
 
 
 def strided_layout(t: torch.Tensor) -> tuple | None:
     """(sizes, strides, storage offset, itemsize) when t's elements leave gaps in its byte span, else None."""
     if t.is_contiguous() or t.numel() <= 1:
         return None
-    span = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
-    if span == t.numel():
+    if _span(t) == t.numel():
         return None  # a permutation of a dense block touches every byte of its span
     return tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.element_size()
 

@@ -8,6 +8,7 @@ Accesses are tracked per storage at byte-range granularity.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -111,12 +112,7 @@ def overlap(a: Access, b: Access) -> bool:
 
 
 def _elements(acc: Access) -> int:
-    if acc.layout is None:
-        return 0
-    n = 1
-    for size in acc.layout[0]:
-        n *= size
-    return n
+    return 0 if acc.layout is None else math.prod(acc.layout[0])
 
 
 class Clocks:

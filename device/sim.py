@@ -82,9 +82,6 @@ def _fmt_bytes(n: float) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
 
 
-
-
-
 _PROCESS: list[SimDevice] = []
 
 
@@ -459,10 +456,14 @@ class SimDevice:
         """torch's Optimizer.load_state_dict casts states to param.device: a host state of a device param is
         copied to device memory, as on CUDA (both are typed cpu here, so `.to` alone would not copy)."""
         if self.is_host(value) and not self.is_host(param) and value.layout is torch.strided:
-            out = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype)
-            out.copy_(value)
-            return out
+            return self._device_copy(value)
         return value
+
+    def _device_copy(self, t: torch.Tensor) -> torch.Tensor:
+        """A device tensor with t's layout and data (a dispatched copy: checked and timed like any other)."""
+        out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype)
+        out.copy_(t)
+        return out
 
     # ----- storages and memory -----------------------------------------------------------------
     def _lookup(self, storage: Any) -> _Storage | None:
@@ -539,14 +540,15 @@ class SimDevice:
                 continue
             if alloc_clock.get(rec.actor, 0) >= rec.epoch or host_clock.get(rec.actor, 0) >= rec.epoch:
                 continue
+            alloc_stream = self._actor_names[info.alloc_actor]
             self._pending = StreamRaceError(
                 f"a device tensor of shape {tuple(rec.shape)} ({info.nbytes} bytes, storage #{info.uid}) "
-                f"allocated on {self._actor_names[info.alloc_actor]} was freed while {rec.op} on {where(rec, self._actor_names)} "
+                f"allocated on {alloc_stream} was freed while {rec.op} on {where(rec, self._actor_names)} "
                 f"may still use it; call device.record_stream(t, stream) before dropping it or make "
-                f"{self._actor_names[info.alloc_actor]} wait for that stream",
+                f"{alloc_stream} wait for that stream",
                 kind="free",
                 earlier=rec,
-                stream=self._actor_names[info.alloc_actor],
+                stream=alloc_stream,
                 earlier_stream=self._actor_names[rec.actor],
                 storage=info.uid,
                 nbytes=info.nbytes,
