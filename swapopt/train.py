@@ -193,6 +193,8 @@ def run(cfg: EngineConfig, console: Console, label: str = "train", modeled: bool
         if tcfg.checkpoint_dir and not (tcfg.checkpoint_interval and engine.step % tcfg.checkpoint_interval == 0):
             checkpoint = engine.save_checkpoint()
     except KeyboardInterrupt:
+        if guard is not None:
+            guard.acknowledge()
         step = engine.step if engine is not None else 0
         if metrics_file and last is not None and last["step"] == step and written < step:
             # Ctrl-C landed between the end of a step and its metrics line: the step is done, so is its line.
@@ -371,6 +373,7 @@ def _main(args: argparse.Namespace, raw_args: list[str]) -> int:
                     out.print(where)
                     summary = run(cfg, out, modeled=modeled, guard=guard, progress_state=state)
             except KeyboardInterrupt:  # before the engine existed (simulator start-up)
+                guard.acknowledge()
                 raise Interrupted(resumed_step or 0, Path(cfg.train.resume) if cfg.train.resume else None) from None
             baseline = None
             if cfg.train.compare_resident and cfg.optim.swap_optimizer:
@@ -382,6 +385,7 @@ def _main(args: argparse.Namespace, raw_args: list[str]) -> int:
                 except torch.OutOfMemoryError as err:  # the point of swapping: the resident job does not fit
                     baseline = {"oom": str(err).splitlines()[0]}
                 except (Interrupted, KeyboardInterrupt):
+                    guard.acknowledge()
                     if main_rank:
                         console.print("interrupted during the resident baseline; training itself had finished")
                     return EXIT_INTERRUPTED

@@ -7,8 +7,8 @@ then marked torn).
 
 Python runs signal handlers only between bytecodes, so one long aten op (a 100-GFLOP matmul on a CPU)
 would delay the exit by as long. A watchdog thread learns of the signal through ``signal.set_wakeup_fd``
-(written at C level, whatever the main thread does); when the main thread has not taken the interrupt
-within ``grace_s``, it calls ``on_stuck`` and ends the process. That is safe for data: checkpoints are
+(written at C level, whatever the main thread does); when the main thread has not caught the interrupt
+(``acknowledge()``) within ``grace_s``, it calls ``on_stuck`` and ends the process. That is safe for data: checkpoints are
 renamed into place whole and the metrics file is flushed after every finished step.
 """
 
@@ -33,15 +33,21 @@ class InterruptGuard:
         self.torn = False  # True when an interrupt cut through a critical section
         self._inside = False
         self._pending = False
-        self._taken = threading.Event()  # the main thread raised KeyboardInterrupt
+        self._taken = threading.Event()  # the main thread caught the KeyboardInterrupt (acknowledge)
         self._previous: Any = None
         self._previous_fd: int | None = None
         self._pair: tuple[socket.socket, socket.socket] | None = None
         self._installed = False
 
     def _raise(self) -> None:
-        self._taken.set()
         raise KeyboardInterrupt
+
+    def acknowledge(self) -> None:
+        """The caller caught the KeyboardInterrupt: the watchdog stands down. Raising is not enough, because a
+        KeyboardInterrupt raised inside a finalizer or ``__del__`` (the simulator frees storages through
+        weakref callbacks) is printed and dropped by Python, and the job would train on; unacknowledged, the
+        watchdog ends it after ``grace_s``."""
+        self._taken.set()
 
     def _handler(self, signum: int, frame: FrameType | None) -> None:
         if self._inside and not self._pending:
