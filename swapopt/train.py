@@ -138,7 +138,6 @@ def run(cfg: EngineConfig, console: Console, label: str = "train", modeled: bool
     checkpoint: Path | None = None
     metrics_file = None
     summary: dict[str, Any] = {"start_step": 0}
-    last: dict[str, Any] | None = None  # metrics of the newest finished step
     written = 0  # newest step whose metrics line is in the file
     try:
         engine = TrainEngine(cfg)
@@ -163,7 +162,7 @@ def run(cfg: EngineConfig, console: Console, label: str = "train", modeled: bool
         with Progress(*columns, console=console, disable=not main_rank, transient=True) as progress:
             task = progress.add_task(label, total=tcfg.steps, completed=engine.step)
             while engine.step < tcfg.steps:
-                m = last = engine.train_step()
+                m = engine.train_step()
                 with bookkeeping():  # a Ctrl-C here waits until the step's line is written, once
                     state["step"] = engine.step
                     summary["losses"].append(m["loss"])
@@ -196,6 +195,7 @@ def run(cfg: EngineConfig, console: Console, label: str = "train", modeled: bool
         if guard is not None:
             guard.acknowledge()
         step = engine.step if engine is not None else 0
+        last = engine.last_metrics if engine is not None else None
         if metrics_file and last is not None and last["step"] == step and written < step:
             # Ctrl-C landed between the end of a step and its metrics line: the step is done, so is its line.
             metrics_file.write(json.dumps(last) + "\n")

@@ -159,3 +159,43 @@ def test_progress_bar_shows_an_eta(clean_device_env):
         summary = run(cfg, console, modeled=True)
     assert len(summary["losses"]) == 3
     assert "eta" in buffer.getvalue()
+
+
+@pytest.mark.parametrize("at_step", [1, 3])
+def test_ctrl_c_held_in_the_optimizer_step_still_writes_that_steps_metrics_line(clean_device_env, tmp_path, at_step):
+    # Ctrl-C during the optimizer step is held and raised when that critical section ends. The step is then
+    # counted and checkpointed (save_on_interrupt), so its metrics line must be in the file too.
+    import contextlib
+    import io
+
+    from rich.console import Console
+
+    from swapopt.engine.config import load_config
+    from swapopt.engine.preflight import plan_device
+    from swapopt.train import Interrupted, device_context, run
+
+    class HeldInterrupt:
+        torn = False
+        calls = 0
+
+        @contextlib.contextmanager
+        def critical(self):
+            self.calls += 1
+            yield
+            # Calls alternate: the engine's optimizer step, then the loop's bookkeeping. The engine's section of
+            # step ``at_step`` ends with the interrupt.
+            if self.calls == 2 * at_step - 1:
+                raise KeyboardInterrupt
+
+        def acknowledge(self):
+            pass
+
+    metrics, ckpt = tmp_path / "m.jsonl", tmp_path / "ckpt"
+    cfg = load_config(TINY, [*SMALL, "train.steps=10", f"train.metrics_path={metrics}", f"train.checkpoint_dir={ckpt}",
+                             "train.checkpoint_interval=1000", "train.save_on_interrupt=true"])
+    guard = HeldInterrupt()
+    with device_context(cfg, plan_device(cfg)), pytest.raises(Interrupted) as stop:
+        run(cfg, Console(file=io.StringIO()), modeled=True, guard=guard)
+    assert stop.value.step == at_step
+    assert stop.value.checkpoint == ckpt / f"step_{at_step:08d}"
+    assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == list(range(1, at_step + 1))

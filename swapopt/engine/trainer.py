@@ -84,6 +84,7 @@ class TrainEngine:
         self.data = ByteBatches(load_tokens(cfg.data.path), tcfg.batch, tcfg.seq_len, tcfg.seed,
                                 self.rank, self.world_size)
         self.step = 0  # completed steps
+        self.last_metrics: dict[str, Any] | None = None  # metrics of step ``self.step``, set with it
         # The part of a step that changes params and states runs inside this (the CLI's Ctrl-C guard).
         self.critical: Callable[[], ContextManager[None]] = contextlib.nullcontext
         self.n_params = sum(p.numel() for p in self.model.parameters())  # DTensor numel is the global one
@@ -134,14 +135,20 @@ class TrainEngine:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), tcfg.grad_clip)
             if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor
                 grad_norm = grad_norm.full_tensor()
+        # The step, its counter and its metrics are one unit: a Ctrl-C held during the optimizer step is raised
+        # only once ``last_metrics`` describes the step just counted, so the line for it can always be written.
         with self.critical():
             optim_start = self._mark()
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             end = self._mark()
             self.step += 1
+            self.last_metrics = self._metrics(lr, loss.detach(), grad_norm, start, optim_start, end)
+        return self.last_metrics
 
-        loss = loss.detach()
+    def _metrics(self, lr: float, loss: torch.Tensor, grad_norm: torch.Tensor | None, start: Any,
+                 optim_start: Any, end: Any) -> dict[str, Any]:
+        tcfg = self.cfg.train
         if self.world_size > 1:
             dist.all_reduce(loss)
             loss = loss / self.world_size
