@@ -15,7 +15,8 @@ Nothing here knows about optimizers.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Sequence
+from contextlib import contextmanager
+from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 
@@ -140,6 +141,17 @@ class SwapOptimizerOperate:
 
     def end_update(self, k: int) -> None:
         self.update_events[k] = self._compute.record_event()
+
+    @contextmanager
+    def updating(self, k: int | None) -> Iterator[None]:
+        """The optimizer's update of chunk k (None: the resident params) is issued inside this block, on
+        the stream the update runs on. Chunk k's update event is recorded only when the block completes."""
+        if k is None:
+            yield
+            return
+        self.begin_update(k)
+        yield
+        self.end_update(k)
 
     def swap_out(self, k: int, copies: Copies, hold: Iterable[torch.Tensor] = ()) -> None:
         """Copy device -> host for chunk k on the D2H stream after its update. ``hold``: device tensors

@@ -739,7 +739,7 @@ class SwapOptimizer(torch.optim.Optimizer):
                     )
 
     def _update_resident(self, prep: _Prepared, kwargs: dict) -> None:
-        with torch.profiler.record_function("swapopt.update[resident]"):
+        with self.operate.updating(None), torch.profiler.record_function("swapopt.update[resident]"):
             chunk_groups: dict[int, list[torch.Tensor]] = defaultdict(list)
             for i in prep.plan.resident:
                 chunk_groups[prep.groups[i]].append(prep.params[i])
@@ -830,11 +830,10 @@ class SwapOptimizer(torch.optim.Optimizer):
         op = self.operate
         chunk = prep.plan.chunks[k]
         progress["stage"] = ("input", k)
-        op.begin_update(k)
         chunk_groups: dict[int, list[torch.Tensor]] = defaultdict(list)
         chunk_state: defaultdict = defaultdict(dict)
         targets: list[torch.Tensor] = []
-        with torch.profiler.record_function(f"swapopt.update[{k}]"):
+        with op.updating(k), torch.profiler.record_function(f"swapopt.update[{k}]"):
             for pos, piece in enumerate(chunk.pieces):
                 t, pst = self._piece_input(prep, piece, views[pos])
                 if pst is not None:
@@ -851,7 +850,6 @@ class SwapOptimizer(torch.optim.Optimizer):
             merged = len(views.runs) if isinstance(views, _ChunkViews) else 0
             nbytes = sum(src.numel() * src.element_size() for _, src in copies[merged:])
             nbytes += prep.covered_bytes[k] if merged else 0
-            op.end_update(k)
         op.swap_out(k, copies, hold)
         for p, scalars in finals:  # the param is fully stepped: publish its scalars and new host states
             self._publish(p, scalars, pending)
