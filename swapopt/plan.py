@@ -15,6 +15,7 @@ from typing import Iterable, Sequence
 
 DEFAULT_ALIGN = 512  # elements; 2 KiB of fp32, a multiple of every CPU/GPU vector width
 SLOT_ALIGN = 64  # bytes; every slot region starts on a cache line (and a 16-byte vector boundary)
+EXTRA_CHUNKS = 1.5  # with swap_optimizer_times=T, up to 1.5 T chunks of the even size to keep params whole
 
 
 @dataclass(frozen=True)
@@ -177,7 +178,8 @@ def make_plan(
 
     With ``chunk_bytes`` the budget is fixed and params that fit a chunk stay whole. Otherwise the
     budget is about the swapped bytes divided by ``times``: raised to keep params whole when that
-    costs at most 25% more per chunk, else to the smallest that keeps alignment rounding from
+    costs at most 25% more per chunk, or kept (same bound) with up to ``EXTRA_CHUNKS`` x ``times``
+    chunks when that keeps them whole; else the smallest budget that keeps alignment rounding from
     adding chunks beyond ``times``.
     """
     if times < 1:
@@ -191,11 +193,18 @@ def make_plan(
         budget = max(1, int(chunk_bytes))
         chunks = chunk_pieces(swapped, budget, align, keep_whole=True)
     else:
-        # Prefer whole params (no cuts at chunk boundaries) when that costs at most a quarter more
-        # per chunk than an even split; otherwise cut params to hold `times` chunks of even size.
+        # Prefer whole params (no cuts at chunk boundaries): a cut costs a copy per state and direction at
+        # each chunk boundary and extra work on the failure path. Keep them whole when that costs at most
+        # a quarter more bytes per chunk than an even split, or at most EXTRA_CHUNKS times more chunks of
+        # that same size (staging memory unchanged); otherwise cut params to hold `times` even chunks.
         base = budget_for(total, times)
+        limit = base + base // 4
         budget = _smallest_budget(swapped, base, max(total, 1), times, align, keep_whole=True)
-        keep_whole = budget <= base + base // 4
+        keep_whole = budget <= limit
+        if not keep_whole:
+            more = math.floor(times * EXTRA_CHUNKS)
+            budget = _smallest_budget(swapped, base, max(total, 1), more, align, keep_whole=True)
+            keep_whole = budget <= limit
         if not keep_whole:
             budget = _smallest_budget(swapped, base, max(total, 1), times, align, keep_whole=False)
         chunks = chunk_pieces(swapped, budget, align, keep_whole=keep_whole)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from swapopt.plan import ParamSize, Piece, budget_for, chunk_pieces, make_plan, pick_resident
+from swapopt.plan import EXTRA_CHUNKS, ParamSize, Piece, budget_for, chunk_pieces, make_plan, pick_resident
 
 ALIGN = 8
 
@@ -76,7 +78,11 @@ def test_make_plan_times(sizes, times):
     assert plan.total_bytes == total
     swapped = [s for s in sizes if s.state_bytes > 0]
     if swapped and all(s.splittable for s in swapped):
-        assert len(plan.chunks) <= times
+        assert len(plan.chunks) <= int(times * EXTRA_CHUNKS)
+        if len(plan.chunks) > times:  # extra chunks only to keep params whole, never larger ones
+            assert all(len([p for c in plan.chunks for p in c.pieces if p.index == s.index]) == 1
+                       for s in swapped if s.state_bytes + s.pad_bytes <= plan.budget)
+            assert plan.budget <= budget_for(total + sum(s.pad_bytes for s in sizes), times) * 5 // 4 + 1
     for i, k in plan.last_chunk.items():
         assert any(p.index == i for p in plan.chunks[k].pieces)
         assert all(p.index != i for c in plan.chunks[k + 1:] for p in c.pieces)
@@ -123,8 +129,11 @@ def test_times_larger_than_params_and_split():
 
 def test_times_exact_for_even_sizes():
     sizes = [ParamSize(i, 1 << 16, (1 << 16) * 8, True) for i in range(4)]  # 512 aligned blocks
-    for times in (1, 3, 16):
+    for times in (1, 2, 4, 16):
         assert len(make_plan(sizes, times=times, align=512).chunks) == times
+    # 3 even chunks would cut two params; 4 whole ones are smaller than those and cut none
+    plan = make_plan(sizes, times=3, align=512)
+    assert [c.pieces for c in plan.chunks] == [(Piece(i, 0, 1 << 16),) for i in range(4)]
     plan = make_plan(sizes, times=100, align=512)
     # 512 blocks cannot be cut into 100 equal chunks: the largest chunk holds ceil(512/100) blocks
     assert len(plan.chunks) <= 100
@@ -172,3 +181,19 @@ def test_budget_holds_region_padding():
         assert padded <= c.nbytes <= budget
     plan = make_plan(sizes, times=8, align=ALIGN)
     assert len(plan.chunks) <= 8 and plan.max_chunk_bytes <= plan.budget
+
+
+def test_lumpy_layout_takes_more_chunks_of_the_even_size_rather_than_cut():
+    # Llama-2-7B's 291 tensors (dims / 11) at 64 chunks: an even cut splits ~90 tensors; keeping them whole
+    # in 64 chunks needs chunks ~30% larger. More chunks of the even size cut only the tensors larger than a
+    # chunk, with the same staging memory.
+    from swapopt.bench.layouts import llama7b, scaled
+
+    numels = [math.prod(shape) for _, shape in scaled(llama7b(), 11).tensors]
+    sizes = [ParamSize(i, n, 8 * n, True) for i, n in enumerate(numels)]
+    plan = make_plan(sizes, times=64, align=512)
+    base = budget_for(sum(s.state_bytes for s in sizes), 64)
+    assert 64 < len(plan.chunks) <= 96
+    assert plan.max_chunk_bytes <= base
+    cut = {s.index for s in sizes if sum(p.index == s.index for c in plan.chunks for p in c.pieces) > 1}
+    assert cut == {s.index for s in sizes if s.state_bytes > plan.budget} and len(cut) == 2

@@ -101,7 +101,7 @@ def test_peak_memory_whole_param_optimizer():
 def test_host_bytes_equal_state_bytes_allocated_once(monkeypatch):
     with simulator.activate() as dev:
         params = _params(n=5, shape=(33, 17)) + [torch.nn.Parameter(torch.randn(()))]
-        opt = SwapOptimizer(O.AdamW(params, lr=1e-3, amsgrad=True), swap_optimizer_times=4)
+        opt = SwapOptimizer(O.AdamW(params, lr=1e-3, amsgrad=True), chunk_mb=6400 / 2**20)
         calls = []
         real = device.pinned_empty
         monkeypatch.setattr(device, "pinned_empty", lambda *a, **k: calls.append(a) or real(*a, **k))
@@ -117,7 +117,7 @@ def test_host_bytes_equal_state_bytes_allocated_once(monkeypatch):
                     if is_swapped_state(p, k, v):
                         ptrs.setdefault((id(p), k), set()).add(v.data_ptr())
         chunks = opt._prepared.plan.chunks
-        # 4 chunks cut some 561-element params
+        # chunks smaller than one param's states (6,732 bytes) cut the 561-element params
         assert any(sum(pc.index == i for c in chunks for pc in c.pieces) > 1 for i in range(len(params)))
         # exp_avg, exp_avg_sq, max_exp_avg_sq allocated in the first step (whole params of a chunk share
         # one buffer), split params included, and never again
