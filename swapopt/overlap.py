@@ -6,7 +6,10 @@ use a module's params wait for those params' events only, just before the module
 runs while the states of later layers are still streaming through the device.
 
 Plain modules wait for the params they own directly (``recurse=False``), read when the hook fires, so
-params replaced after ``attach`` are still covered. An FSDP2 unit (``fully_shard``) reads its params
+params replaced after ``attach`` are still covered, plus the params of every submodule whose own forward
+has not been seen running in this mode (training flag, grad mode): a parent may read a child's params
+without calling it (``nn.MultiheadAttention`` reads ``out_proj``'s, a fused inference path reads all of
+its layer's), and until a child has run on its own nothing says its hook will fire before that read. An FSDP2 unit (``fully_shard``) reads its params
 through an all-gather issued in FSDP's own pre-forward hook, on FSDP's copy-in stream, which waits for
 the current stream only once per forward (at the root); so its hook is prepended (it runs before
 FSDP's), covers every param the unit manages plus those of the units it explicitly prefetches, and
@@ -48,6 +51,8 @@ class ForwardWaits:
     def __init__(self, operate: SwapOptimizerOperate) -> None:
         self.operate = operate
         self._hooked: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
+        # per (training, grad enabled): modules whose forward pre-hook has fired in that mode
+        self._seen: dict[tuple[bool, bool], weakref.WeakSet[nn.Module]] = {}
         self.attached = False
 
     def attach(self, model: nn.Module) -> None:
@@ -71,8 +76,14 @@ class ForwardWaits:
 
     def _plain_hook(self, fsdp_cls: type | None) -> Callable[[nn.Module, Any], None]:
         operate = self.operate
+        seen_by_mode = self._seen
 
         def wait_for_own_params(module: nn.Module, args: Any) -> None:
+            mode = (module.training, torch.is_grad_enabled())
+            seen = seen_by_mode.get(mode)
+            if seen is None:
+                seen = seen_by_mode[mode] = weakref.WeakSet()
+            seen.add(module)
             if not operate.pending:
                 return
             if fsdp_cls is not None and isinstance(module, fsdp_cls):
@@ -81,7 +92,14 @@ class ForwardWaits:
                     "all-gather would read params the optimizer is still updating; call opt.attach(model) "
                     "after fully_shard"
                 )
-            operate.wait_for_update(module.parameters(recurse=False))
+            params = list(module.parameters(recurse=False))
+            stack = list(module.children())
+            while stack:  # submodules that may be read without running their own forward
+                child = stack.pop()
+                if child not in seen:
+                    params += child.parameters(recurse=False)
+                    stack += child.children()
+            operate.wait_for_update(params)
 
         return wait_for_own_params
 
