@@ -219,3 +219,47 @@ def test_peak_extra_memory_of_the_step_stays_within_slots_plus_one_chunks(sim):
         extra = sim.max_memory_allocated() - base
         assert 0 < extra <= (slots + 1) * chunk, f"{extra} > {slots + 1} x {chunk}"
     opt.wait_for_update()
+
+
+class _Boom(RuntimeError):
+    pass
+
+
+def test_failing_step_drains_the_update_stream_and_keeps_completed_chunks(sim):
+    torch.manual_seed(0)
+    ps = nn.ParameterList(nn.Parameter(torch.randn(4, 5)) for _ in range(6))
+    rs = [nn.Parameter(p.detach().clone()) for p in ps]
+    opt = SwapOptimizer(torch.optim.AdamW(ps, lr=1e-2, foreach=True), swap_optimizer_times=3, overlap_forward=True)
+    opt.attach(ps)
+    ref = torch.optim.AdamW(rs, lr=1e-2, foreach=True)
+    real, calls = opt._step_fn, []
+
+    def failing(o, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:  # the update of chunk 1 of the failing step
+            raise _Boom("injected")
+        return real(o, *args, **kwargs)
+
+    for step in range(4):
+        grads = [torch.randn(4, 5) for _ in ps]
+        for p, r, g in zip(ps, rs, grads):
+            p.grad, r.grad = g.clone(), g.clone()
+        if step != 2:
+            opt.step()
+            ref.step()
+            continue
+        opt._step_fn = failing
+        with pytest.raises(_Boom):
+            opt.step()
+        opt._step_fn = real
+        assert not opt.operate.pending  # the host waited for every update already issued
+        done = {pc.index for c in opt._prepared.plan.chunks[:1] for pc in c.pieces}
+        for i, r in enumerate(rs):
+            if i not in done:
+                r.grad = None
+        ref.step()
+    opt.wait_for_update()
+    opt.wait_for_swap_out()
+    for p, r in zip(ps, rs):
+        assert torch.equal(p.detach(), r.detach())
+        assert all(torch.equal(opt.state[p][k], v) for k, v in ref.state[r].items())
