@@ -215,7 +215,7 @@ def test_peak_extra_memory_of_the_step_stays_within_slots_plus_one_chunks(sim):
         base = sim.memory_allocated()
         sim.reset_peak_memory_stats()
         opt.step()
-        chunk = opt._prepared.plan.max_chunk_bytes
+        chunk = opt._layout.prepared.plan.max_chunk_bytes
         extra = sim.max_memory_allocated() - base
         assert 0 < extra <= (slots + 1) * chunk, f"{extra} > {slots + 1} x {chunk}"
     opt.wait_for_update()
@@ -253,7 +253,7 @@ def test_failing_step_drains_the_update_stream_and_keeps_completed_chunks(sim):
             opt.step()
         opt._step_fn = real
         assert not opt.operate.pending  # the host waited for every update already issued
-        done = {pc.index for c in opt._prepared.plan.chunks[:1] for pc in c.pieces}
+        done = {pc.index for c in opt._layout.prepared.plan.chunks[:1] for pc in c.pieces}
         for i, r in enumerate(rs):
             if i not in done:
                 r.grad = None
