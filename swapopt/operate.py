@@ -45,6 +45,7 @@ class SwapOptimizerOperate:
         self._resident_event: Any = None
         # param -> its "updated" event, until a stream waited for it (overlap only; see swapopt.overlap)
         self.pending: dict[torch.Tensor, Any] = {}
+        self._snapshots: list[torch.Tensor] = []  # this step's copies of hyperparameters (snapshot)
         self._compute: Any = None
         self.nslots = 0
         self._staging: list[torch.Tensor] = []
@@ -115,11 +116,11 @@ class SwapOptimizerOperate:
         """A copy, made now on the current (compute) stream, of a tensor the update reads but the caller
         may change in place right after step() (a scheduler's tensor lr, GradScaler's scale and
         found_inf): the update reads the copy. Tuples of tensors are copied element-wise."""
-        if not self.overlap:
+        if not self.overlap or device.get_device() == "cpu":  # no accelerator: the step runs in place
             return value
         if isinstance(value, torch.Tensor):
             copy = value.clone()
-            self.keep_for_update(copy)
+            self._snapshots.append(copy)  # kept for the update stream at begin(), once it exists
             return copy
         if isinstance(value, tuple) and any(isinstance(v, torch.Tensor) for v in value):
             return type(value)(self.snapshot(v) if isinstance(v, torch.Tensor) else v for v in value)
@@ -172,6 +173,9 @@ class SwapOptimizerOperate:
         self._resident_event = None
         if self.overlap:  # the update reads grads the backward wrote and the staging allocated above
             self.update_stream.wait_event(start)
+            for t in self._snapshots:
+                self.keep_for_update(t)
+        self._snapshots = []
         h2d = self.h2d_stream
         h2d.wait_event(start)
         if self._last_d2h is not None:  # host states the last step wrote are read again now

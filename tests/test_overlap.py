@@ -25,7 +25,7 @@ def _mlp(seed: int = 0, width: int = 32, depth: int = 4) -> nn.Sequential:
 
 def _inner(kind: str, params) -> torch.optim.Optimizer:
     if kind == "fused":
-        return torch.optim.AdamW(params, lr=torch.tensor(1e-2), weight_decay=0.1, fused=True)
+        return torch.optim.AdamW(params, lr=torch.full((), 1e-2), weight_decay=0.1, fused=True)
     if kind == "foreach":
         return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, foreach=True)
     raise ValueError(kind)
@@ -44,7 +44,7 @@ def _train(kind: str, wrap: str, steps: int = STEPS, scaler: bool = False) -> tu
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
     torch.manual_seed(1)
     data = [(torch.randn(8, 32), torch.randn(8, 4)) for _ in range(steps)]
-    scale = torch.tensor(4.0)
+    scale = torch.full((), 4.0)  # device tensors, as GradScaler keeps them (a literal is host memory)
     losses = []
     for i, (x, y) in enumerate(data):
         opt.zero_grad(set_to_none=True)
@@ -54,7 +54,7 @@ def _train(kind: str, wrap: str, steps: int = STEPS, scaler: bool = False) -> tu
         nn.utils.clip_grad_norm_(model.parameters(), 0.5)
         if scaler:  # as GradScaler hands them to a fused optimizer, then changes the scale in place
             opt.grad_scale = scale
-            opt.found_inf = torch.tensor(1.0 if i == 1 else 0.0)
+            opt.found_inf = torch.full((), 1.0 if i == 1 else 0.0)
         opt.step()
         if scaler:
             del opt.grad_scale, opt.found_inf
@@ -263,3 +263,27 @@ def test_failing_step_drains_the_update_stream_and_keeps_completed_chunks(sim):
     for p, r in zip(ps, rs):
         assert torch.equal(p.detach(), r.detach())
         assert all(torch.equal(opt.state[p][k], v) for k, v in ref.state[r].items())
+
+
+def test_resident_params_are_updated_on_the_update_stream_too(sim):
+    def run(overlap: bool) -> list[torch.Tensor]:
+        model = _mlp()
+        # 0.02 MiB keeps a few params' states resident: they are stepped before the chunks
+        opt = SwapOptimizer(
+            torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True),
+            swap_optimizer_times=CHUNKS, resident_mb=0.02, overlap_forward=overlap,
+        )  # fmt: skip
+        opt.attach(model)
+        torch.manual_seed(1)
+        for _ in range(3):
+            opt.zero_grad(set_to_none=True)
+            model(torch.randn(8, 32)).square().mean().backward()
+            opt.step()
+        assert opt._layout.prepared.resident, "some params stay resident"
+        if overlap:
+            assert all(p in opt.operate.pending for p in opt._layout.prepared.resident)
+        opt.wait_for_update()
+        return [p.detach().clone() for p in model.parameters()]
+
+    on, off = run(True), run(False)
+    assert all(torch.equal(a, b) for a, b in zip(on, off))
