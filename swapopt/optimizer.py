@@ -295,6 +295,8 @@ class SwapOptimizer(torch.optim.Optimizer):
             raise TypeError("SwapOptimizer.step takes the closure and keyword arguments only")
         layout = self._layout
         params, groups, in_place = layout.active()
+        if self.operate.overlap:  # stream the first layers first (swapopt.overlap)
+            params, groups = self._forward_waits.order(params, groups)
         if in_place:
             if "host" not in self._warned:
                 self._warned.add("host")

@@ -15,6 +15,10 @@ the current stream only once per forward (at the root); so its hook is prepended
 FSDP's), covers every param the unit manages plus those of the units it explicitly prefetches, and
 makes both the current stream and the copy-in stream wait. Attach after ``fully_shard``: a hook found
 on a module that became an FSDP unit later raises, since it would run after the all-gather.
+
+``order`` ranks the attached models' params in module registration order, which is forward order for
+the usual stacks: the step streams them in that order (not in param-group order, which may put every
+layer's biases after all the weights), so the first layers' updates land first.
 """
 
 from __future__ import annotations
@@ -54,11 +58,14 @@ class ForwardWaits:
         # per (training, grad enabled): modules whose forward pre-hook has fired in that mode
         self._seen: dict[tuple[bool, bool], weakref.WeakSet[nn.Module]] = {}
         self.attached = False
+        self._rank: dict[torch.Tensor, int] = {}  # param -> position in the attached models' registration order
 
     def attach(self, model: nn.Module) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"attach takes the nn.Module the optimizer's params belong to, got {type(model).__name__}")
         fsdp_cls = _fsdp_module_class()
+        for p in model.parameters():
+            self._rank.setdefault(p, len(self._rank))
         for module in model.modules():
             if module in self._hooked:
                 continue
@@ -66,6 +73,15 @@ class ForwardWaits:
             hook = self._fsdp_hook() if fsdp else self._plain_hook(fsdp_cls)
             self._hooked[module] = module.register_forward_pre_hook(hook, prepend=fsdp)
         self.attached = True
+
+    def order(self, params: list[torch.Tensor], groups: list[int]) -> tuple[list[torch.Tensor], list[int]]:
+        """``params`` (with their group indices) in the attached models' registration order; params of no
+        attached model keep their relative order after them."""
+        if not self._rank:
+            return params, groups
+        last = len(self._rank)
+        pairs = sorted(zip(params, groups), key=lambda pg: self._rank.get(pg[0], last))
+        return [p for p, _ in pairs], [g for _, g in pairs]
 
     def detach(self) -> None:
         """Remove every hook (the optimizer no longer orders forwards after its updates)."""

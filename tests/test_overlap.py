@@ -287,3 +287,26 @@ def test_resident_params_are_updated_on_the_update_stream_too(sim):
 
     on, off = run(True), run(False)
     assert all(torch.equal(a, b) for a, b in zip(on, off))
+
+
+def test_updates_stream_in_registration_order_not_group_order(sim):
+    def run(overlap: bool):
+        model = _mlp()
+        decay = [p for n, p in model.named_parameters() if n.endswith("weight")]
+        no_decay = [p for n, p in model.named_parameters() if n.endswith("bias")]
+        groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+        opt = SwapOptimizer(torch.optim.AdamW(groups, lr=1e-2, foreach=True), swap_optimizer_times=CHUNKS, overlap_forward=overlap)
+        opt.attach(model)
+        torch.manual_seed(1)
+        for _ in range(3):
+            opt.zero_grad(set_to_none=True)
+            model(torch.randn(8, 32)).square().mean().backward()
+            opt.step()
+        opt.wait_for_update()
+        first = {opt._layout.prepared.params[pc.index] for pc in opt._layout.prepared.plan.chunks[0].pieces}
+        return first, model, [p.detach().clone() for p in model.parameters()]
+
+    first, model, on = run(True)
+    assert model[0].weight in first and model[0].bias in first  # layer 0 complete in the first chunk
+    _, _, off = run(False)
+    assert all(torch.equal(a, b) for a, b in zip(on, off))
