@@ -18,7 +18,7 @@ import torch
 from loguru import logger
 
 import device
-from swapopt import hoststate, statespec
+from swapopt import hoststate, internals, statespec
 from swapopt.hoststate import ELEMENTWISE, is_dtensor
 
 def state_dict(opt) -> dict[str, Any]:
@@ -27,17 +27,18 @@ def state_dict(opt) -> dict[str, Any]:
     For DTensor params the states are DTensors over the host shards (the param's mesh, placements, global
     shape and stride), which DCP saves and loads in place.
     """
-    for hook in opt._optimizer_state_dict_pre_hooks.values():
+    for hook in internals.state_dict_hooks(opt, "state_dict_pre"):
         hook(opt)
     # In-flight D2H copies still write these tensors; reading before they land gives a mix of two steps.
     opt.wait_for_swap_out()
     # Between steps the swapped states are the pinned host tensors (DTensors over host shards for DTensor
     # params), so the inner optimizer's own state_dict already has the right format and copies nothing.
     sd = opt.optimizer.state_dict()
-    arenas = getattr(opt, "_arenas", None)
+    layout = getattr(opt, "_layout", None)
+    arenas = layout.arenas if layout is not None else None
     if arenas is not None and len(arenas):  # new dicts: the inner's state_dict shares the per-param ones
         sd["state"] = {i: {k: arenas.own_bytes(v) for k, v in st.items()} for i, st in sd["state"].items()}
-    for hook in opt._optimizer_state_dict_post_hooks.values():
+    for hook in internals.state_dict_hooks(opt, "state_dict_post"):
         result = hook(opt, sd)
         if result is not None:
             sd = result
@@ -74,7 +75,7 @@ def load_state_dict(opt, state_dict: dict[str, Any]) -> None:
     changes: on error the optimizer is left as it was.
     """
     state_dict = state_dict.copy()
-    for hook in opt._optimizer_load_state_dict_pre_hooks.values():
+    for hook in internals.state_dict_hooks(opt, "load_state_dict_pre"):
         result = hook(opt, state_dict)
         if result is not None:
             state_dict = result
@@ -188,7 +189,7 @@ def load_state_dict(opt, state_dict: dict[str, Any]) -> None:
     for key, value in stand_in.defaults.items():
         inner.defaults.setdefault(key, value)
 
-    for hook in opt._optimizer_load_state_dict_post_hooks.values():
+    for hook in internals.state_dict_hooks(opt, "load_state_dict_post"):
         hook(opt)
 
 

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import inspect
 import math
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 import device
+from swapopt import internals
+from swapopt.internals import raw_step  # noqa: F401 - re-exported: statespec and probes step raw
 from swapopt.perparam import TORCH_ELEMENTWISE
 
 try:  # torch.distributed may be absent on some builds
@@ -36,7 +38,7 @@ def is_dtensor(t: Any) -> bool:
 def local(t: torch.Tensor) -> torch.Tensor:
     """The local tensor of a DTensor; plain tensors unchanged."""
     if is_dtensor(t):
-        return t._local_tensor  # no autograd edge, unlike to_local() on a param
+        return internals.dtensor_local(t)
     return t
 
 
@@ -153,13 +155,6 @@ def is_swapped_state(param: torch.Tensor, key: str, value: Any) -> bool:
 def state_nbytes(value: torch.Tensor) -> int:
     loc = local(value)
     return loc.numel() * loc.element_size()
-
-
-def raw_step(optimizer: torch.optim.Optimizer) -> Callable[..., Any]:
-    """The class's step without Optimizer's hook/profiler wrapper, so per-chunk calls (and probes) do not
-    fire global step hooks."""
-    fn = type(optimizer).step
-    return getattr(fn, "__wrapped__", fn) if getattr(fn, "hooked", False) else fn
 
 
 def _constructor_kwargs(cls: type, defaults: dict) -> dict:

@@ -1,7 +1,8 @@
 """Failure path of a swapped step: drain, complete, roll forward (Note [failure semantics]).
 
-SwapOptimizer._swap_step calls ``recover`` when anything raises between its first swap-in and the
-end of the step, then ``drop_frames`` before the exception propagates.
+swapopt.pipeline.StepRun.run calls ``recover`` when anything raises between its first swap-in and the
+end of the step, then ``drop_frames`` before the exception propagates. Planning and pinned allocation
+fail before any param is touched and need nothing here.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 from loguru import logger
 
 import device
+from swapopt import internals
 from swapopt.hoststate import wrap_like
 
 # Note [failure semantics]
@@ -35,8 +37,9 @@ from swapopt.hoststate import wrap_like
 # locals are dropped before the exception propagates, so the caller's except block can free memory.
 
 
-def recover(opt: Any, prep: Any, progress: dict, pending: dict, kwargs: dict) -> None:
-    """The failure path of _swap_step (Note [failure semantics]): drain, complete, roll forward."""
+def recover(run: Any) -> None:
+    """The failure path of a StepRun (Note [failure semantics]): drain, complete, roll forward."""
+    opt, prep, progress = run.opt, run.prep, run.progress
     stage, k = progress.get("stage", ("done", -1))
     chunk = progress.pop("chunk", None)
     scalars = progress.pop("scalars", None)
@@ -46,39 +49,39 @@ def recover(opt: Any, prep: Any, progress: dict, pending: dict, kwargs: dict) ->
         if stage in ("input", "update"):
             failed, entered = k, stage == "update"
         elif stage == "output":
-            if _complete_chunk(opt, prep, k, chunk, pending):
+            if _complete_chunk(run, k, chunk):
                 failed, entered = k + 1, False
             else:
                 failed, entered = k, True
         if entered:
             # the chunk's own scalar states (step counts) were stepped in place: back to their old values
             for own, old in scalars or ():
-                torch._foreach_copy_(own, old)
+                internals.foreach_restore(own, old)
             names = sorted({pc.index for pc in prep.plan.chunks[failed].pieces})
             logger.error(
                 "swapopt: step failed inside the update of chunk {}; these params may be partly updated in "
                 "place and keep their old states and step counts: {}",
                 failed, "; ".join(_name(opt, prep, i) for i in names),
             )  # fmt: skip
-        _roll_forward(opt, prep, failed, entered, pending, kwargs)
+        _roll_forward(run, failed, entered)
     except BaseException:  # noqa: BLE001 - never mask the original exception
         logger.exception("swapopt: completing params after a failed step raised")
 
 
-def _complete_chunk(opt: Any, prep: Any, k: int, chunk: tuple | None, pending: dict) -> bool:
+def _complete_chunk(run: Any, k: int, chunk: tuple | None) -> bool:
     """Chunk k's inner update returned but its outputs were not all queued: finish them synchronously
     (streams drained). Returns whether every param of the chunk is now stepped."""
     if chunk is None:
         return False
     targets, chunk_state, views = chunk
-    op = opt.operate
+    op = run.op
     try:
         with op.mod.stream(op.compute_stream):
-            copies, _, finals = opt._chunk_output(prep, k, targets, chunk_state, views, pending)
+            copies, _, finals = run.chunk_output(k, targets, chunk_state, views)
             for dst, src in copies:
                 dst.copy_(src)  # blocking: the host has seen the data on return
         for p, scalars in finals:
-            opt._publish(p, scalars, pending)
+            run.publish(p, scalars)
     except BaseException as exc:  # noqa: BLE001 - reported, the original exception is raised
         logger.error("swapopt: completing chunk {} after a failed step raised {!r}", k, exc)
         return False
@@ -93,7 +96,7 @@ def _name(opt: Any, prep: Any, i: int) -> str:
     return f"param_groups[{gi}]['params'][{j}] of shape {tuple(p.shape)}"
 
 
-def _roll_forward(opt: Any, prep: Any, failed: int, entered: bool, pending: dict, kwargs: dict) -> None:
+def _roll_forward(run: Any, failed: int, entered: bool) -> None:
     """After a failure in chunk ``failed`` (streams drained): complete every param whose update began
     in an earlier chunk but whose last piece was not stepped, one piece at a time, synchronously.
 
@@ -104,6 +107,7 @@ def _roll_forward(opt: Any, prep: Any, failed: int, entered: bool, pending: dict
     so the param is left as it is: pieces before the chunk stepped, the rest with its old host
     states, its scalar states old; an ERROR names it.
     """
+    opt, prep, pending = run.opt, run.prep, run.pending
     plan = prep.plan
     begun = {pc.index for c in plan.chunks[:failed] for pc in c.pieces}
     rolled = 0
@@ -122,15 +126,15 @@ def _roll_forward(opt: Any, prep: Any, failed: int, entered: bool, pending: dict
                 "partially stepped: elements [0, {}) were stepped, the rest keep their old states (elements "
                 "[{}, {}) were in the failed update and may be partially updated in place); step count old{}",
                 failed, _name(opt, prep, i), cut, cut, stop,
-                "; the states this step created for it are dropped" if p not in opt._host else "",
+                "; the states this step created for it are dropped" if p not in run.layout.host else "",
             )  # fmt: skip
             continue
         try:
             scalars = None
             for j, pos in pieces:
                 cut = plan.chunks[j].pieces[pos].start
-                scalars = _recover_piece(opt, prep, j, pos, pending, kwargs)
-            opt._publish(p, scalars, pending)
+                scalars = _recover_piece(run, j, pos)
+            run.publish(p, scalars)
             rolled += 1
         except Exception as exc:  # noqa: BLE001 - the original exception is the one to raise
             created = pending.pop(p, None)
@@ -145,11 +149,13 @@ def _roll_forward(opt: Any, prep: Any, failed: int, entered: bool, pending: dict
         logger.debug("swapopt: step failed in chunk {}; rolled {} split params forward", failed, rolled)
 
 
-def _recover_piece(opt: Any, prep: Any, j: int, pos: int, pending: dict, kwargs: dict) -> dict[str, Any] | None:
+def _recover_piece(run: Any, j: int, pos: int) -> dict[str, Any] | None:
     """Step piece ``pos`` of chunk ``j`` on its own, as the pipeline does, in fresh device buffers on the
     compute stream; every copy is synchronous, so the host has seen all of it on return. Returns the
     piece's scalar states when it is its param's last piece."""
-    op = opt.operate
+    from swapopt.pipeline import run_inner  # the pipeline imports this module
+
+    opt, prep, op = run.opt, run.prep, run.op
     piece = prep.plan.chunks[j].pieces[pos]
     dev = device.torch_device(opt._device)
     with op.mod.stream(op.compute_stream), torch.profiler.record_function(f"swapopt.recover[{j}]"):
@@ -162,13 +168,13 @@ def _recover_piece(opt: Any, prep: Any, j: int, pos: int, pending: dict, kwargs:
                     buf = torch.empty_strided(r.host.shape, r.host.stride(), dtype=r.dtype, device=dev)
                     buf.copy_(r.host)
                 views[r.key] = (wrap_like(r.layout, buf) if r.layout is not None else buf, buf, r.host)
-        t, pst = opt._piece_input(prep, piece, views)
+        t, pst = run.piece_input(piece, views)
         chunk_state: defaultdict = defaultdict(dict)
         if pst is not None:
             chunk_state[t] = pst
-        opt._run_inner({prep.groups[piece.index]: [t]}, chunk_state, kwargs)
+        run_inner(opt, {prep.groups[piece.index]: [t]}, chunk_state, run.kwargs)
         entered = t in chunk_state
-        copies, _, scalars = opt._piece_output(prep, piece, t, chunk_state[t] if entered else {}, views, pending)
+        copies, _, scalars = run.piece_output(piece, t, chunk_state[t] if entered else {}, views)
         for dst, src in copies:
             dst.copy_(src)  # the host waits: the buffers are freed on return
     return scalars if entered else None

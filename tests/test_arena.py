@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import device
-import swapopt.optimizer as swap_optimizer
+import swapopt.layout as swap_layout
 from device import sim as simulator
 from swapopt import SwapOptimizer
 
@@ -36,13 +36,13 @@ def _grads(params, ref, step):
 @pytest.mark.parametrize("fused", [True, False])
 def test_one_copy_per_chunk_each_way_and_exact(fused, monkeypatch):
     plans = collections.Counter()
-    real_plan = swap_optimizer.make_plan
+    real_plan = swap_layout.make_plan
 
     def counted(*args, **kwargs):
         plans["n"] += 1
         return real_plan(*args, **kwargs)
 
-    monkeypatch.setattr(swap_optimizer, "make_plan", counted)
+    monkeypatch.setattr(swap_layout, "make_plan", counted)
     with simulator.activate() as dev:
         params, ref, inner, ref_opt = _make(fused)
         opt = SwapOptimizer(inner, swap_optimizer_times=K)
@@ -75,8 +75,8 @@ def test_one_copy_per_chunk_each_way_and_exact(fused, monkeypatch):
 
 def test_replan_after_steady_state_is_not_repeated(monkeypatch):
     plans = collections.Counter()
-    real_plan = swap_optimizer.make_plan
-    monkeypatch.setattr(swap_optimizer, "make_plan", lambda *a, **k: plans.update(["n"]) or real_plan(*a, **k))
+    real_plan = swap_layout.make_plan
+    monkeypatch.setattr(swap_layout, "make_plan", lambda *a, **k: plans.update(["n"]) or real_plan(*a, **k))
     with simulator.activate():
         params, ref, inner, _ = _make()
         opt = SwapOptimizer(inner, swap_optimizer_times=K)

@@ -85,7 +85,7 @@ def test_failure_in_chunk_k(name, fail_step, fail_chunk):
             assert dev.memory_allocated() == base + _scalar_bytes(dev, opt, ps), "staging not released"
             assert opt.optimizer.param_groups is opt.param_groups and opt.optimizer.state is opt.state
             # the reference steps exactly the params of the chunks that completed
-            done = {p.index for c in opt._prepared.plan.chunks[:fail_chunk] for p in c.pieces}
+            done = {p.index for c in opt._layout.prepared.plan.chunks[:fail_chunk] for p in c.pieces}
             assert len(done) == 2 * fail_chunk
             for i, r in enumerate(rs):
                 if i not in done:
@@ -123,7 +123,7 @@ def _set_grads(ps, rs):
 
 
 def _split_indices(opt):
-    chunks = opt._prepared.plan.chunks
+    chunks = opt._layout.prepared.plan.chunks
     return {i for i in range(len(SPLIT_SIZES)) if sum(pc.index == i for c in chunks for pc in c.pieces) > 1}
 
 
@@ -184,7 +184,7 @@ def test_roll_forward_at_every_chunk(name, fail_step):
                 with pytest.raises(Boom):
                     opt.step()
                 inject.stop()
-                plan = opt._prepared.plan
+                plan = opt._layout.prepared.plan
                 n_chunks = len(plan.chunks)
                 assert len(_split_indices(opt)) >= 2 and n_chunks >= 4
                 begun = _begun(plan, k)
@@ -211,7 +211,7 @@ def test_roll_forward_at_every_chunk(name, fail_step):
 
 def _first_boundary_chunk(opt):
     """The first chunk that starts with a later piece of a param begun in the chunk before."""
-    return next(k for k, c in enumerate(opt._prepared.plan.chunks) if k and c.pieces[0].start > 0)
+    return next(k for k, c in enumerate(opt._layout.prepared.plan.chunks) if k and c.pieces[0].start > 0)
 
 
 def _adopt(ps, opt, rs, ref):
@@ -240,9 +240,9 @@ def test_straddling_param_left_partial_is_reported(name, mode, fail_step):
                     continue
                 opt.wait_for_swap_out()
                 if step == 0:
-                    opt._prepare(*opt._active()[:2])  # plan ahead to pick the chunk
+                    opt._layout.prepare(*opt._layout.active()[:2])  # plan ahead to pick the chunk
                 k = _first_boundary_chunk(opt)
-                plan = opt._prepared.plan
+                plan = opt._layout.prepared.plan
                 i = plan.chunks[k].pieces[0].index
                 cut = plan.chunks[k].pieces[0].start
                 old = snapshot_params(rs, ref.state)
@@ -310,7 +310,7 @@ def test_roll_forward_with_one_slot():
                     opt.step()
                 inject.stop()
                 opt.wait_for_swap_out()
-                begun = _begun(opt._prepared.plan, k)
+                begun = _begun(opt._layout.prepared.plan, k)
                 untouched = [i for i in range(len(ps)) if i not in begun]
                 assert untouched and all(matches_snapshot(ps[i], opt.state[ps[i]], before[i]) for i in untouched)
                 for i in untouched:  # the reference steps the others only

@@ -18,7 +18,7 @@ from loguru import logger
 import device
 from device import sim as simulator
 from swapopt import SwapOptimizer, SwapOptimizerOperate
-from swapopt.optimizer import SwapOptimizer as _Impl
+from swapopt.pipeline import StepRun
 
 O = torch.optim
 MAKERS = {
@@ -70,7 +70,7 @@ class _Injector:
 
             mp.setattr(opt, "_step_fn", once(opt._step_fn, counting))
         elif stage == "after_update":
-            mp.setattr(_Impl, "_chunk_output", once(_Impl._chunk_output, lambda s, prep, kk, *a: kk == k))
+            mp.setattr(StepRun, "chunk_output", once(StepRun.chunk_output, lambda s, kk, *a: kk == k))
         elif stage == "swap_out_interrupt":
             mp.setattr(SwapOptimizerOperate, "swap_out", once(SwapOptimizerOperate.swap_out, lambda s, kk, *a: kk == k))
         elif stage == "pinned_alloc":  # new states' pinned host memory, on the step that creates them
@@ -112,8 +112,8 @@ def test_fault_at_every_stage(stage, fail_step, name, monkeypatch):
                     assert not opt.swap_stats().failed
                     continue
                 opt.wait_for_swap_out()
-                params, groups, _ = opt._active()
-                plan = opt._prepare(params, groups).plan
+                params, groups, _ = opt._layout.active()
+                plan = opt._layout.prepare(params, groups).plan
                 assert any(pc.start > 0 for c in plan.chunks for pc in c.pieces), "no param is split"
                 # the first chunk that continues a param begun in the chunk before: the worst place to fail
                 k = next(j for j, c in enumerate(plan.chunks) if j and c.pieces[0].start > 0)

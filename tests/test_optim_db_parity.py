@@ -251,8 +251,8 @@ def _run_case(info: Any, inp: Any, impl: str, dtype: torch.dtype, chunking: tupl
     for _ in range(STEPS):
         _step_both(ps, opt, rs, ref, gen)
     _check(ps, opt, rs, ref, where)
-    if chunk_mb is not None and opt._elementwise and opt._prepared.plan.total_bytes > 8192:
-        assert any(pc.start > 0 for c in opt._prepared.plan.chunks for pc in c.pieces), where  # really split
+    if chunk_mb is not None and opt._layout.elementwise and opt._layout.prepared.plan.total_bytes > 8192:
+        assert any(pc.start > 0 for c in opt._layout.prepared.plan.chunks for pc in c.pieces), where  # really split
     # state dict -> (deepcopy | torch.save + torch.load(weights_only)) -> a fresh wrapper continues bitwise
     # like a fresh unwrapped optimizer given the reference's state dict the same way (torch's load casts
     # some states to the param's dtype, so the uninterrupted reference is not the right one to follow)

@@ -260,7 +260,7 @@ def test_fused_on_non_contiguous_params(name, layout, chunk_mb):
             ref.step()
         opt.wait_for_swap_out()
         if chunk_mb is not None:
-            assert len(opt._prepared.plan.chunks) > 1
+            assert len(opt._layout.prepared.plan.chunks) > 1
         assert torch.equal(p, r)
         for key, value in ref.state[r].items():
             assert opt.state[p][key].stride() == value.stride(), key

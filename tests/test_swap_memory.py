@@ -59,7 +59,7 @@ def test_peak_extra_memory_bounded(name, slots):
             base = dev.memory_allocated()
             dev.reset_peak_memory_stats()
             opt.step()
-            chunk = opt._prepared.plan.max_chunk_bytes
+            chunk = opt._layout.prepared.plan.max_chunk_bytes
             extra = dev.max_memory_allocated() - base
             assert extra <= (slots + 1) * chunk, f"step {step}: {extra} > {(slots + 1)} x {chunk}"
             # nothing but params, grads and scalar step states remains on the device
@@ -93,7 +93,7 @@ def test_peak_memory_whole_param_optimizer():
             base = dev.memory_allocated()
             dev.reset_peak_memory_stats()
             opt.step()
-            chunk = opt._prepared.plan.max_chunk_bytes
+            chunk = opt._layout.prepared.plan.max_chunk_bytes
             assert dev.max_memory_allocated() - base <= 3 * chunk + working
             assert dev.memory_allocated() == _device_bytes_outside_step(opt, params)
 
@@ -116,7 +116,7 @@ def test_host_bytes_equal_state_bytes_allocated_once(monkeypatch):
                 for k, v in opt.state[p].items():
                     if is_swapped_state(p, k, v):
                         ptrs.setdefault((id(p), k), set()).add(v.data_ptr())
-        chunks = opt._prepared.plan.chunks
+        chunks = opt._layout.prepared.plan.chunks
         # chunks smaller than one param's states (6,732 bytes) cut the 561-element params
         assert any(sum(pc.index == i for c in chunks for pc in c.pieces) > 1 for i in range(len(params)))
         # exp_avg, exp_avg_sq, max_exp_avg_sq allocated in the first step (whole params of a chunk share
@@ -210,7 +210,7 @@ def test_cap_holds_for_a_grad_laid_out_unlike_its_param(slots):
             ref.step()
             cap = (slots + 1) * budget_mb * MiB
             assert extra <= cap, f"step {step}: {extra / MiB:.2f} MiB > {cap / MiB:.2f} MiB"
-            assert opt._prepared.plan.max_chunk_bytes <= budget_mb * MiB
+            assert opt._layout.prepared.plan.max_chunk_bytes <= budget_mb * MiB
         opt.wait_for_swap_out()
         assert torch.equal(p, r)
         for k in ("exp_avg", "exp_avg_sq"):
@@ -230,5 +230,5 @@ def test_cap_counts_region_alignment():
             opt.step()
             extra = dev.max_memory_allocated() - base
             assert extra <= 4 * budget, f"step {step}: {extra} > 4 x {budget}"
-            slot = opt._prepared.slot_bytes
+            slot = opt._layout.prepared.slot_bytes
             assert slot <= budget, (slot, budget)

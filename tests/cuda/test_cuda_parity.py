@@ -97,7 +97,7 @@ def test_cuda_peak_memory(slots):
         torch.cuda.reset_peak_memory_stats()
         opt.step()
         torch.cuda.synchronize()
-        chunk = opt._prepared.plan.max_chunk_bytes
+        chunk = opt._layout.prepared.plan.max_chunk_bytes
         assert torch.cuda.max_memory_allocated() - base <= (slots + 1) * chunk
         probe = torch.empty(1, device=dev)  # an allocation lets the allocator retire record_stream'd blocks
         # only the fused optimizer's device step counters (one 512-byte block each) were added, on step 1

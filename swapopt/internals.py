@@ -1,0 +1,115 @@
+"""Every use swapopt makes of private torch internals, each with the reason it is needed.
+
+torch.optim offers no public way to step an optimizer over a subset of its params, to replay its hooks
+once for a step made of many inner steps, or to tell an LR scheduler or GradScaler about a step taken
+through a wrapper. Keeping these uses in one module means a torch upgrade that renames one of them
+breaks here, with the reason next to it, instead of somewhere in the pipeline.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
+
+import torch
+
+
+# Note [raw step]: Optimizer.__init__ wraps the class's step in a profiler/hook wrapper (marked
+# ``hooked``, the original kept as ``__wrapped__``). SwapOptimizer calls the inner step once per chunk
+# and once per probe; through the wrapper every call would fire the global step hooks and the inner's
+# own hooks once per chunk instead of once per step.
+def raw_step(optimizer: torch.optim.Optimizer) -> Callable[..., Any]:
+    """The class's step without Optimizer's hook/profiler wrapper (Note [raw step])."""
+    fn = type(optimizer).step
+    return getattr(fn, "__wrapped__", fn) if getattr(fn, "hooked", False) else fn
+
+
+# Note [hook replay]: since the inner step runs raw (Note [raw step]), the hooks a user registered on
+# the inner optimizer (``register_step_pre_hook``/``register_step_post_hook``) are held in the private
+# ordered dicts ``_optimizer_step_pre_hooks``/``_optimizer_step_post_hooks``; swapopt runs them once per
+# wrapper step, with the inner optimizer as the hooked object, exactly as torch's wrapper would.
+def run_step_pre_hooks(inner: torch.optim.Optimizer, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The inner optimizer's own step pre-hooks, once per step (Note [hook replay])."""
+    for hook in inner._optimizer_step_pre_hooks.values():
+        result = hook(inner, args, kwargs)
+        if result is not None:
+            args, kwargs = result
+    return args, kwargs
+
+
+def run_step_post_hooks(inner: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    """The inner optimizer's own step post-hooks, once per step (Note [hook replay])."""
+    for hook in inner._optimizer_step_post_hooks.values():
+        hook(inner, args, kwargs)
+
+
+def mark_scheduler_step(inner: torch.optim.Optimizer) -> None:
+    """An LR scheduler built on the inner optimizer patches its ``step`` (``_wrapped_by_lr_sched``) to set
+    ``_opt_called``, and warns when scheduler.step() comes first. The raw inner step never goes through
+    that patch, so the flag is set here, once per wrapper step."""
+    if hasattr(getattr(inner, "step", None), "_wrapped_by_lr_sched"):
+        inner._opt_called = True
+
+
+# GradScaler reads ``_step_supports_amp_scaling`` from the optimizer it is given (the wrapper): fused
+# optimizers unscale inside their kernel, so the scaler hands them ``grad_scale``/``found_inf`` as
+# attributes of the optimizer instead of unscaling grads itself. The wrapper answers for the inner one
+# and lends it those attributes for the duration of the step.
+AMP_ATTRIBUTES = ("grad_scale", "found_inf")
+
+
+def supports_amp_scaling(inner: torch.optim.Optimizer) -> bool:
+    return bool(getattr(inner, "_step_supports_amp_scaling", False))
+
+
+@contextmanager
+def lend_amp_attributes(wrapper: Any, inner: torch.optim.Optimizer) -> Iterator[None]:
+    """The GradScaler attributes set on ``wrapper`` are visible on ``inner`` while the step runs."""
+    amp = {k: getattr(wrapper, k) for k in AMP_ATTRIBUTES if hasattr(wrapper, k)}
+    for k, v in amp.items():
+        setattr(inner, k, v)
+    try:
+        yield
+    finally:
+        for k in amp:
+            delattr(inner, k)
+
+
+@contextmanager
+def stepping_subset(inner: torch.optim.Optimizer, groups: list[dict], state: Any) -> Iterator[None]:
+    """The inner optimizer sees ``groups`` (copies of its param groups over a chunk's pieces) and
+    ``state`` (the pieces' states: device views into the slot) for one raw step. torch.optim offers no
+    way to step a subset of params; optimizers read ``self.param_groups`` and ``self.state`` in step, so
+    both are swapped in and the shared objects put back whatever the step does."""
+    own_groups, own_state = inner.param_groups, inner.state
+    inner.param_groups, inner.state = groups, state
+    try:
+        yield
+    finally:
+        inner.param_groups, inner.state = own_groups, own_state
+
+
+# The state-dict hooks torch.optim.Optimizer.state_dict/load_state_dict run live in private ordered
+# dicts. swapopt.checkpoint builds the state dict itself (waiting for swap-outs, re-viewing arena
+# states), so it runs the wrapper's registered hooks at the points torch would.
+def state_dict_hooks(opt: torch.optim.Optimizer, kind: str) -> list[Callable[..., Any]]:
+    """``kind``: state_dict_pre, state_dict_post, load_state_dict_pre or load_state_dict_post."""
+    return list(getattr(opt, f"_optimizer_{kind}_hooks").values())
+
+
+def dtensor_local(t: Any) -> torch.Tensor:
+    """A DTensor's local shard without an autograd edge: ``to_local()`` on a param records a view in the
+    autograd graph (and may wait on pending collectives), while host copies and state views need the
+    plain local tensor, which DTensor keeps as ``_local_tensor``."""
+    return t._local_tensor
+
+
+# torch._foreach_* are the documented-by-use multi-tensor kernels torch.optim itself relies on: one
+# launch per device and dtype instead of one per tensor, which keeps the failure path's snapshot of a
+# chunk's scalar states (step counts) to one copy.
+def foreach_snapshot(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    return torch._foreach_mul(tensors, 1)
+
+
+def foreach_restore(own: list[torch.Tensor], old: list[torch.Tensor]) -> None:
+    torch._foreach_copy_(own, old)

@@ -1,0 +1,379 @@
+"""Host layout of the swapped states and the plan built over it.
+
+``HostLayout`` owns what planning shares between steps: the cached host states of each param
+(``Host``), the slot layout of each chunk (``Region``), the prepared plan (``Prepared``), the probe of
+the states an optimizer creates, their preallocation into chunk-ordered pinned arenas (swapopt.arena),
+which params stay resident, and which may be split across chunks.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from loguru import logger
+
+import device
+from swapopt import hoststate, perparam
+from swapopt.arena import Arenas, Run, itemsize
+from swapopt.hoststate import is_swapped_state, local, new_host_like, wrap_like
+from swapopt.plan import DEFAULT_ALIGN, SLOT_ALIGN as _SLOT_ALIGN, ParamSize, Plan, make_plan
+
+MiB = 1 << 20
+GRAD = "\0grad"  # region key of a grad gathered into the slot (no state key can collide with it)
+
+def _unlike(grad: torch.Tensor, param: torch.Tensor) -> bool:
+    """A grad laid out unlike its dense param; equal shape and strides settle it without a layout walk."""
+    if grad.shape == param.shape and grad.stride() == param.stride():
+        return False
+    return not hoststate.same_layout(grad, param)
+
+
+@dataclass(eq=False)
+class Host:
+    """Host states of one param as cached by the planner: the tensors stored in opt.state and their
+    host-local tensors (the DTensor shards for DTensor params)."""
+
+    keys: tuple[str, ...]
+    stored: tuple[torch.Tensor, ...]
+    locals: tuple[torch.Tensor, ...]
+    nkeys: int  # len(opt.state[p]) when cached: a new key means the layout changed
+    nbytes: int
+
+
+@dataclass(eq=False)
+class Region:
+    piece: int  # position of the piece in its chunk
+    key: str
+    offset: int  # bytes into the slot
+    nbytes: int
+    dtype: torch.dtype
+    shape: tuple[int, ...] | None  # None: a flat piece; else the whole state's local shape
+    host: torch.Tensor | None  # host-local view the region mirrors (the swap-in reads it); None: a gathered grad
+    layout: torch.Tensor | None  # DTensor whose layout wraps the slot view (non-flat DTensor states)
+    stride: tuple[int, ...] | None  # the host state's strides (non-flat states keep their dense layout)
+
+
+@dataclass(eq=False)
+class Prepared:
+    """Everything cached between re-plans."""
+
+    key: tuple
+    params: list[torch.Tensor]
+    groups: list[int]
+    flat: list[bool]
+    plan: Plan
+    regions: list[list[Region]]
+    slot_bytes: int
+    resident: list[torch.Tensor]
+    last_chunk: dict[torch.Tensor, int] = field(default_factory=dict)
+    runs: list[list[Run]] = field(default_factory=list)  # per chunk: merged copies of arena regions
+    covered: list[frozenset[int]] = field(default_factory=list)  # per chunk: regions a run moves
+    h2d_bytes: list[int] = field(default_factory=list)  # per chunk: state bytes its swap-in moves
+    covered_bytes: list[int] = field(default_factory=list)  # per chunk: state bytes of the covered regions
+
+
+
+class HostLayout:
+    """Host states, slot layout and plan of one SwapOptimizer, cached between steps.
+
+    ``opt`` is the wrapper: its ``state``, ``param_groups`` and settings are read live (load_state_dict
+    rebinds them), its ``operate`` waits for swap-outs before a state is rewritten.
+    """
+
+    def __init__(self, opt: Any) -> None:
+        self.opt = opt
+        self.elementwise = perparam.is_elementwise(type(opt.optimizer))
+        self.pre_hosts: dict[torch.Tensor, dict[str, torch.Tensor]] = {}  # see preallocate
+        self.arenas = Arenas()  # pinned buffers holding states in chunk order (swapopt.arena)
+        self.split_cache: dict[torch.Tensor, tuple] = {}  # see splittable
+        self.host: dict[torch.Tensor, Host] = {}
+        self.prepared: Prepared | None = None
+        self.resident: set[torch.Tensor] = set()  # params whose states live on the device (resident_mb)
+        self.probe_cache: dict[tuple, int] = {}
+        self.version = 0  # bumped whenever cached host layouts change
+
+    @property
+    def state(self) -> Any:
+        return self.opt.state
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.opt.param_groups
+
+    def invalidate(self) -> None:
+        """Forget cached host layouts and the plan."""
+        self.host.clear()
+        self.split_cache.clear()
+        self.prepared = None
+        self.version += 1
+
+    def forget(self, p: torch.Tensor) -> None:
+        """p's host states changed (new states published): re-read them at the next plan."""
+        self.host.pop(p, None)
+        self.version += 1
+
+    def active(self) -> tuple[list[torch.Tensor], list[int], dict[int, list[torch.Tensor]]]:
+        """Params with a grad, in group order, each once (tied params are stepped once): those to swap
+        with their group indices, and those stepped in place by group (params outside device memory
+        need no swapping; meta params get torch's own errors)."""
+        params: list[torch.Tensor] = []
+        groups: list[int] = []
+        in_place: dict[int, list[torch.Tensor]] = defaultdict(list)
+        seen: set[int] = set()
+        for gi, group in enumerate(self.param_groups):
+            for j, p in enumerate(group["params"]):
+                if p.grad is None or id(p) in seen:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError(
+                        f"SwapOptimizer does not support sparse gradients (param_groups[{gi}]['params'][{j}] has "
+                        f"one), whatever the optimizer: use torch.optim.SparseAdam unwrapped for sparse "
+                        "gradients, or make them dense (e.g. nn.Embedding(..., sparse=False))"
+                    )
+                seen.add(id(p))
+                if p.device.type == "meta" or device.is_host_tensor(p):
+                    in_place[gi].append(p)
+                else:
+                    params.append(p)
+                    groups.append(gi)
+        return params, groups, in_place
+
+    # ----- host state bookkeeping --------------------------------------------------------------
+    def adopt_existing(self) -> None:
+        """States that exist before the first swapped step (Adagrad builds them in __init__, or the
+        optimizer already stepped) move into pinned host memory now."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                if self.state.get(p):
+                    self.cache_host(p, quiet=True)
+
+    def cache_host(self, p: torch.Tensor, quiet: bool = False) -> Host:
+        """Record p's host states; any swapped state found in device memory is copied into host memory."""
+        st = self.state[p]
+        old = self.host.get(p)
+        previous = dict(zip(old.keys, old.stored)) if old is not None else {}
+        keys, stored, locs = [], [], []
+        for key, value in list(st.items()):
+            if not is_swapped_state(p, key, value):
+                continue
+            if not device.is_host_tensor(value) or not hoststate.is_dense(local(value)):
+                if not quiet and not device.is_host_tensor(value) and "rehome" not in self.opt._warned:
+                    self.opt._warned.add("rehome")
+                    logger.warning(
+                        "swapopt: optimizer state {!r} was found in device memory (moved there behind the "
+                        "optimizer's back?); copying it back into pinned host memory",
+                        key,
+                    )
+                src = local(value)
+                home = previous.get(key)  # the pinned tensor it came from, when it still fits
+                if home is None or not hoststate.same_layout(local(home), src) or local(home).dtype != src.dtype:
+                    home = hoststate.pinned_empty_like(value)
+                self.opt.operate.wait_for_swap_out([p])
+                local(home).copy_(src)
+                value = st[key] = home
+            keys.append(key)
+            stored.append(value)
+            locs.append(local(value))
+        entry = Host(tuple(keys), tuple(stored), tuple(locs), len(st), sum(t.numel() * t.element_size() for t in locs))
+        self.host[p] = entry
+        self.version += 1
+        return entry
+
+    def check_host(self, p: torch.Tensor) -> bool:
+        """Whether p's cached host layout still matches opt.state[p]."""
+        entry = self.host.get(p)
+        st = self.state.get(p)
+        if entry is None:
+            return not st
+        if not st or len(st) != entry.nkeys:
+            return False
+        return all(st.get(k) is t for k, t in zip(entry.keys, entry.stored))
+
+    def ensure_resident(self, p: torch.Tensor, dev: torch.device) -> None:
+        """Resident params keep their states in device memory."""
+        st = self.state.get(p) or {}
+        for key, value in list(st.items()):
+            if is_swapped_state(p, key, value) and device.is_host_tensor(value):
+                src = local(value)
+                dst = torch.empty_strided(src.shape, hoststate.layout_strides(src), dtype=src.dtype, device=dev)
+                dst.copy_(src)
+                st[key] = wrap_like(value, dst)
+        self.host.pop(p, None)
+
+    # ----- planning ----------------------------------------------------------------------------
+    def splittable(self, p: torch.Tensor) -> bool:
+        """p may be cut into flat pieces in memory order: an element-wise optimizer, a dense param and
+        host states laid out like it (so the same flat range of each pairs the same elements)."""
+        loc = local(p)
+        # cached until host layouts change (_version) or the param's own layout does
+        key = (self.version, loc.shape, loc.stride())
+        hit = self.split_cache.get(p)
+        if hit is not None and hit[0] == key:
+            return hit[1]
+        entry = self.host.get(p)
+        ok = (
+            self.elementwise
+            and hoststate.is_dense(loc)
+            and (entry is None or all(hoststate.same_layout(t, loc) for t in entry.locals))
+        )
+        self.split_cache[p] = (key, ok)
+        return ok
+
+    def prepare(self, params: list[torch.Tensor], groups: list[int]) -> Prepared:
+        for p in params:  # resident params keep device states: nothing to check for them
+            if p not in self.resident and not self.check_host(p):
+                self.cache_host(p)
+        flat = [self.splittable(p) for p in params]
+        # A grad laid out unlike its split param is gathered piece by piece into the slot (never whole).
+        gather = [f and _unlike(local(p.grad), local(p)) for p, f in zip(params, flat)]
+        key = (tuple(map(id, params)), tuple(groups), tuple(gather), self.version)
+        if self.prepared is not None and self.prepared.key == key:
+            return self.prepared
+        dev = device.torch_device(self.opt._device)
+        sizes = []
+        for i, p in enumerate(params):
+            nbytes, regions = self.state_bytes(p, groups[i])
+            if gather[i]:
+                nbytes += local(p).numel() * p.grad.element_size()
+                regions += 1
+            sizes.append(ParamSize(i, local(p).numel(), nbytes, flat[i], regions))
+        chunk_bytes = None if self.opt.chunk_mb is None else int(self.opt.chunk_mb * MiB)
+        plan = make_plan(
+            sizes,
+            times=self.opt.swap_optimizer_times,
+            chunk_bytes=chunk_bytes,
+            resident_bytes=int(self.opt.resident_mb * MiB),
+            align=DEFAULT_ALIGN,
+        )
+        # A splittable param the plan left whole is stepped as itself, with states shaped like it: no
+        # per-step flat views of it or its grad (DTensor and gathered ones keep the flat path).
+        pieces_of = Counter(pc.index for c in plan.chunks for pc in c.pieces)
+        flat = [
+            f and (pieces_of[i] > 1 or gather[i] or hoststate.is_dtensor(params[i])) for i, f in enumerate(flat)
+        ]
+        resident = [params[i] for i in plan.resident]
+        self.resident = set(resident)
+        for p in resident:
+            self.ensure_resident(p, dev)
+        for i in range(len(params)):  # a param that left the resident set goes back to the host
+            if i not in plan.resident and params[i] not in self.host and self.state.get(params[i]):
+                self.cache_host(params[i], quiet=True)
+        regions = [self.regions(chunk.pieces, params, flat, gather) for chunk in plan.chunks]
+        slot_bytes = max((r[-1].offset + r[-1].nbytes for r in regions if r), default=0)
+        last_chunk = {params[i]: k for i, k in plan.last_chunk.items()}
+        key = (tuple(map(id, params)), tuple(groups), tuple(gather), self.version)
+        if len(self.arenas):
+            self.arenas.prune([t for e in self.host.values() for t in e.locals])
+        runs = [self.arenas.runs(r) for r in regions]
+        covered = [frozenset(i for run in rs for i in run.regions) for rs in runs]
+        h2d_bytes = [sum(r.nbytes for r in rs if r.host is not None) for rs in regions]
+        covered_bytes = [sum(rs[i].nbytes for i in cov) for rs, cov in zip(regions, covered)]
+        self.prepared = Prepared(
+            key, params, groups, flat, plan, regions, slot_bytes, resident, last_chunk, runs, covered,
+            h2d_bytes, covered_bytes,
+        )
+        logger.debug(
+            "swapopt plan: {} params, {} chunks, budget {:.2f} MiB, slot {:.2f} MiB, {} resident, {} merged copies",
+            len(params), len(plan.chunks), plan.budget / MiB, slot_bytes / MiB, len(resident), sum(map(len, runs)),
+        )  # fmt: skip
+        return self.prepared
+
+    def probe(self, p: torch.Tensor, gi: int) -> tuple[int, tuple] | None:
+        loc = local(p)
+        key = (gi, loc.dtype, loc.dim(), loc.device.type)
+        if key not in self.probe_cache:
+            self.probe_cache[key] = hoststate.probe_states(self.opt.optimizer, self.param_groups[gi], p, self.opt._step_fn)
+        return self.probe_cache[key]
+
+    def state_bytes(self, p: torch.Tensor, gi: int) -> tuple[int, int]:
+        """Swapped state bytes of p and their count: exact once it has states, probed (or guessed) before."""
+        entry = self.host.get(p)
+        if entry is not None:
+            return entry.nbytes, len(entry.keys)
+        if self.state.get(p):  # resident: states already on the device
+            swapped = [v for k, v in self.state[p].items() if is_swapped_state(p, k, v)]
+            return sum(hoststate.state_nbytes(v) for v in swapped), len(swapped)
+        loc = local(p)
+        probed = self.probe(p, gi)
+        if probed is None:  # Adam-like guess: two states of the param's dtype
+            name = type(self.opt.optimizer).__name__
+            logger.debug("swapopt: could not probe {}; assuming two param-like states", name)
+            return loc.numel() * 2 * loc.element_size(), 2
+        return loc.numel() * probed[0], len(probed[1])
+
+    def preallocate(self, prep: Prepared) -> dict[torch.Tensor, dict[str, torch.Tensor]]:
+        """Pinned host tensors for the param-shaped states an element-wise optimizer will create this
+        step for params that have none yet (known from the probe)."""
+        out: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
+        if not self.elementwise:
+            return out
+        for chunk in prep.plan.chunks:
+            # Whole params whose states are all param-shaped go into one arena per chunk, at the offsets
+            # their regions take in the slot, so the chunk's states later move in one copy (swapopt.arena).
+            placed: list[tuple[torch.Tensor, str, torch.dtype, int]] = []
+            end = 0
+            for piece in chunk.pieces:
+                i = piece.index
+                p = prep.params[i]
+                if p in out or p in self.host or p in self.resident or self.state.get(p):
+                    continue
+                probed = self.probe(p, prep.groups[i])
+                if probed is None:
+                    continue
+                loc = local(p)
+                whole = piece.start == 0 and piece.stop == loc.numel()
+                gathered = prep.flat[i] and p.grad is not None and not hoststate.same_layout(local(p.grad), loc)
+                if not whole or gathered or not all(shaped for _, _, shaped in probed[1]):
+                    out[p] = {key: new_host_like(p, dtype) for key, dtype, shaped in probed[1] if shaped}
+                    continue
+                out[p] = {}
+                for key, dtype, _ in probed[1]:
+                    size = itemsize(dtype)
+                    if end % size:  # packed without padding: a misaligned dtype starts a new arena
+                        self.place(placed, end, out)
+                        placed, end = [], 0
+                    placed.append((p, key, dtype, end))
+                    end += loc.numel() * size
+            self.place(placed, end, out)
+        return out
+
+    def place(self, placed: list, nbytes: int, out: dict) -> None:
+        if placed:
+            base = self.arenas.allocate(nbytes)
+            for p, key, dtype, offset in placed:
+                out[p][key] = self.arenas.place(base, offset, p, dtype)
+
+    def regions(self, pieces, params: list[torch.Tensor], flat: list[bool], gather: list[bool]) -> list[Region]:
+        """Slot layout of one chunk: one region per (piece, host state), in piece order, plus one for
+        the gathered grad of a piece whose grad is laid out unlike its param."""
+        regions: list[Region] = []
+        offset = 0
+
+        def add(r: Region) -> None:
+            nonlocal offset
+            if regions and self.arenas.adjacent(regions[-1].host, r.host):
+                # packed like its arena, so both move in one copy (swapopt.arena); never more than padded
+                r.offset = regions[-1].offset + regions[-1].nbytes
+            regions.append(r)
+            offset = -(-(r.offset + r.nbytes) // _SLOT_ALIGN) * _SLOT_ALIGN
+
+        for pos, piece in enumerate(pieces):
+            p = params[piece.index]
+            entry = self.host.get(p)
+            for key, stored, loc in zip(entry.keys, entry.stored, entry.locals) if entry is not None else ():
+                if flat[piece.index]:
+                    host = hoststate.flat_view(loc)[piece.start : piece.stop]
+                    shape, stride, layout = None, None, None
+                else:
+                    host = loc
+                    shape, stride = tuple(loc.shape), tuple(loc.stride())
+                    layout = stored if hoststate.is_dtensor(stored) else None
+                nbytes = host.numel() * host.element_size()
+                add(Region(pos, key, offset, nbytes, host.dtype, shape, host, layout, stride))
+            if gather[piece.index]:
+                g = p.grad
+                add(Region(pos, GRAD, offset, piece.numel * g.element_size(), g.dtype, None, None, None, None))
+        return regions

@@ -1,0 +1,319 @@
+"""One swapped step, run chunk by chunk through the device (``StepRun``).
+
+Stages of a step (chunk k uses staging slot k % S; swapopt.operate orders the streams):
+
+1. Swap-in: the first S-1 chunks' host states are queued host -> slot on the H2D stream, one copy per
+   merged arena run (swapopt.arena) plus one per state outside a run.
+2. Resident update: params whose states live on the device (resident_mb) are stepped while those
+   copies are in flight.
+3. For each chunk k: queue the swap-in of chunk k+S-1, then build the pieces' inputs (param views,
+   grad views, states as views into the slot), run the wrapped optimizer's raw step on them, and
+4. swap out: queue slot -> host copies on the D2H stream after the update, and publish the scalar
+   states (step counts) and newly created host states of every param whose last piece this was.
+5. Finish: staging is released stream-safely and per-param events are kept; no device-wide sync.
+
+``pending``, ``views`` and ``progress`` are what the stages thread through: the host states created
+this step (published when their param is fully stepped), each in-flight chunk's views, and the stage
+reached, which the failure path (swapopt.recovery, Note [failure semantics]) reads.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any, Iterable
+
+import torch
+
+import device
+from swapopt import hoststate, internals, recovery
+from swapopt.hoststate import is_swapped_state, local, new_host_like, wrap_like
+from swapopt.layout import GRAD, Prepared, Region
+
+
+class ChunkViews(list):
+    """Per piece of one chunk: {key: (value the optimizer sees, slot view, host view)}; ``runs``: the
+    (host, slot) byte views of the chunk's merged copies."""
+
+    runs: list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def real_states(opt: Any, params: Iterable[torch.Tensor]) -> defaultdict:
+    """A state mapping over the real per-param dicts, without creating entries torch would not."""
+    chunk_state: defaultdict = defaultdict(dict)
+    for p in params:
+        if p in opt.state:
+            chunk_state[p] = opt.state[p]
+    return chunk_state
+
+
+def keep_new_states(opt: Any, chunk_state: dict) -> None:
+    """Entries the inner optimizer created in a mapping from real_states become real ones."""
+    for p, st in chunk_state.items():
+        if p not in opt.state:
+            opt.state[p] = st
+
+
+def run_inner(opt: Any, chunk_groups: dict[int, list[torch.Tensor]], chunk_state: Any, kwargs: dict) -> None:
+    """One inner step over the given params and state; the shared groups and state are restored after.
+    The step sees copies of the groups: a write to a group-level value would be lost, so it raises."""
+    inner = opt.optimizer
+    order = sorted(chunk_groups)
+    hyper = opt._hyper  # step-time copies of tensor hyperparameters (overlap_forward), else empty
+    groups = [dict(opt.param_groups[gi], params=chunk_groups[gi], **hyper.get(gi, {})) for gi in order]
+    with internals.stepping_subset(inner, groups, chunk_state):
+        opt._step_fn(inner, **kwargs)
+    for gi, copy in zip(order, groups):
+        orig = opt.param_groups[gi]
+        for key, value in copy.items():
+            if key != "params" and (key not in orig or orig[key] is not value) and hyper.get(gi, {}).get(key) is not value:
+                raise RuntimeError(
+                    f"{type(inner).__name__}.step wrote param_groups[{gi}][{key!r}]: SwapOptimizer steps each "
+                    "chunk of params with its own copy of the group, so group-level writes (a step counter, a "
+                    "norm over all params) would be lost or wrong; such an optimizer is not per-param and "
+                    "cannot be swapped"
+                )
+
+
+class StepRun:
+    """One swapped step over a prepared plan (stages in the module docstring)."""
+
+    def __init__(self, opt: Any, prep: Prepared, kwargs: dict) -> None:
+        self.opt = opt
+        self.layout = opt._layout
+        self.op = opt.operate
+        self.prep = prep
+        self.kwargs = kwargs
+        self.pending: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
+        self.views: list[ChunkViews | None] = [None] * len(prep.plan.chunks)
+        # progress["stage"]: (stage, k) of the chunk being worked on; progress["chunk"]: what completing
+        # chunk k needs once its inner update returned (see Note [failure semantics]).
+        self.progress: dict[str, Any] = {"stage": ("done", -1)}
+        self.h2d = 0
+        self.d2h = 0
+
+    def run(self) -> None:
+        op, prep = self.op, self.prep
+        n = len(prep.plan.chunks)
+        try:
+            op.begin(n, prep.slot_bytes, device.torch_device(self.opt._device))
+            for p in prep.params:  # zero_grad(set_to_none=True) may free them before the update read them
+                op.keep_for_update(p.grad)
+            lookahead = op.nslots - 1
+            for j in range(min(lookahead, n)):  # stage 1
+                self.views[j] = self.swap_in(j)
+            if prep.resident:  # stage 2, while the first swap-ins are in flight
+                self.update_resident()
+            for k in range(n):  # stages 3 and 4
+                if k + lookahead < n:
+                    self.views[k + lookahead] = self.swap_in(k + lookahead)
+                self.update_and_swap_out(k)
+                self.views[k] = None
+            op.finish(prep.last_chunk, prep.resident)  # stage 5
+        except BaseException as exc:  # Note [failure semantics]
+            self.views.clear()
+            recovery.recover(self)
+            self.pending.clear()
+            self.progress.clear()
+            self.layout.pre_hosts = {}
+            op.release_staging()
+            recovery.drop_frames(exc)
+            raise
+
+    # ----- stage 1: swap-in ---------------------------------------------------------------------
+    def region_view(self, r: Region, slot: torch.Tensor | None) -> torch.Tensor:
+        """The slot memory of region r, typed and laid out like the host tensor it mirrors."""
+        if slot is None or r.nbytes == 0:  # nothing to stage (zero-element states): an empty tensor
+            shape = r.shape if r.shape is not None else (0,)
+            stride = r.stride if r.stride is not None else (1,)
+            return torch.empty_strided(shape, stride, dtype=r.dtype, device=device.torch_device(self.opt._device))
+        v = slot[r.offset : r.offset + r.nbytes].view(r.dtype)
+        if r.shape is not None:
+            v = v.as_strided(r.shape, r.stride)
+        return v
+
+    def swap_in(self, k: int) -> ChunkViews:
+        """Per piece of chunk k: {key: (value the optimizer sees, slot view, host view the swap-out
+        writes)}, with the H2D copies filling the slot views queued."""
+        prep = self.prep
+        chunk = prep.plan.chunks[k]
+        views = ChunkViews({} for _ in chunk.pieces)
+        slot = self.op.slot(k)
+        covered = prep.covered[k]
+        # a run's bytes: one copy per direction for the regions it covers
+        views.runs = [(run.host, slot[run.offset : run.offset + run.nbytes]) for run in prep.runs[k]] if slot is not None else []
+        copies = [(dev, host) for host, dev in views.runs]
+        for i, r in enumerate(prep.regions[k]):
+            v = self.region_view(r, slot)
+            moved = i in covered and slot is not None
+            host = None if moved else r.host  # None: the swap-out leaves it to the run
+            views[r.piece][r.key] = (wrap_like(r.layout, v) if r.layout is not None else v, v, host)
+            if host is not None and r.nbytes:
+                copies.append((v, host))
+        self.op.swap_in(k, copies)
+        self.h2d += prep.h2d_bytes[k]
+        return views
+
+    # ----- stage 2: resident update ---------------------------------------------------------------
+    def update_resident(self) -> None:
+        prep = self.prep
+        with self.op.updating(None), torch.profiler.record_function("swapopt.update[resident]"):
+            chunk_groups: dict[int, list[torch.Tensor]] = defaultdict(list)
+            for i in prep.plan.resident:
+                chunk_groups[prep.groups[i]].append(prep.params[i])
+            # the real dicts: resident states are updated where they live
+            chunk_state = real_states(self.opt, (prep.params[i] for i in prep.plan.resident))
+            run_inner(self.opt, chunk_groups, chunk_state, self.kwargs)
+            keep_new_states(self.opt, chunk_state)
+
+    # ----- stage 3: update ----------------------------------------------------------------------
+    def piece_input(self, piece, views: dict[str, tuple]) -> tuple[torch.Tensor, dict[str, Any] | None]:
+        """The tensor the inner optimizer steps for one piece and its state dict (None when p has no
+        state entry): swapped states are the device views in ``views``; scalar states are the param's
+        own when the piece is the whole param (restored from a per-chunk snapshot if its update fails,
+        see snapshot_scalars), clones for a piece of a split param (written back once it is done)."""
+        prep, state = self.prep, self.opt.state
+        p = prep.params[piece.index]
+        whole = not prep.flat[piece.index] or (piece.start == 0 and piece.stop == local(p).numel())
+        if prep.flat[piece.index]:  # a leaf view of the flat range in memory order, its grad likewise
+            t = hoststate.flat_view(local(p).detach())[piece.start : piece.stop]
+            g = local(p.grad)
+            if GRAD in views:  # laid out unlike p: gather the piece's elements in p's memory order
+                buf = views[GRAD][1]
+                order = hoststate.memory_order(local(p))
+                hoststate.gather_range(buf, g.permute(order), piece.start, piece.stop)
+                t.grad = buf
+            else:
+                t.grad = hoststate.flat_view(g)[piece.start : piece.stop]
+        else:
+            t = p
+        if p not in state:
+            return t, None
+        pst: dict[str, Any] = {}
+        for key, value in state[p].items():
+            if key in views:
+                pst[key] = views[key][0]
+            elif isinstance(value, torch.Tensor):
+                pst[key] = value if whole else value.clone()
+            else:
+                pst[key] = value
+        return t, pst
+
+    def update_and_swap_out(self, k: int) -> None:
+        """Run the inner optimizer on chunk k's pieces, then queue their swap-out. ``progress`` tracks
+        the stage reached for the failure path (Note [failure semantics])."""
+        op, prep, progress, views = self.op, self.prep, self.progress, self.views[k]
+        chunk = prep.plan.chunks[k]
+        progress["stage"] = ("input", k)
+        chunk_groups: dict[int, list[torch.Tensor]] = defaultdict(list)
+        chunk_state: defaultdict = defaultdict(dict)
+        targets: list[torch.Tensor] = []
+        with op.updating(k), torch.profiler.record_function(f"swapopt.update[{k}]"):
+            for pos, piece in enumerate(chunk.pieces):
+                t, pst = self.piece_input(piece, views[pos])
+                if pst is not None:
+                    chunk_state[t] = pst
+                chunk_groups[prep.groups[piece.index]].append(t)
+                targets.append(t)
+            progress["scalars"] = self.snapshot_scalars(chunk, chunk_state, targets)
+            progress["stage"] = ("update", k)
+            run_inner(self.opt, chunk_groups, chunk_state, self.kwargs)
+            progress["stage"] = ("output", k)
+            progress["chunk"] = (targets, chunk_state, views)
+            copies, hold, finals = self.chunk_output(k, targets, chunk_state, views)
+            # a run also moves padding: count the bytes of the states it carries
+            merged = len(views.runs) if isinstance(views, ChunkViews) else 0
+            nbytes = sum(src.numel() * src.element_size() for _, src in copies[merged:])
+            nbytes += prep.covered_bytes[k] if merged else 0
+        op.swap_out(k, copies, hold)  # stage 4
+        for p, scalars in finals:  # the param is fully stepped: publish its scalars and new host states
+            self.publish(p, scalars)
+        progress["stage"] = ("done", k)
+        progress.pop("chunk", None)
+        progress.pop("scalars", None)
+        self.d2h += nbytes
+
+    def snapshot_scalars(self, chunk, chunk_state: dict, targets: list) -> list:
+        """(own tensors, copies) of the scalar tensor states the chunk's update steps in place: one copy
+        per device and dtype (a foreach op), not a clone per param, so that a failing update can put
+        them back (Note [failure semantics])."""
+        groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+        for piece, t in zip(chunk.pieces, targets):
+            pst = chunk_state.get(t)
+            if not pst:
+                continue
+            own = self.opt.state[self.prep.params[piece.index]]
+            for key, value in pst.items():
+                if isinstance(value, torch.Tensor) and own.get(key) is value:
+                    groups[(value.device, value.dtype)].append(value)
+        return [(ts, internals.foreach_snapshot(ts)) for ts in groups.values()]
+
+    # ----- stage 4: swap-out and publish --------------------------------------------------------
+    def piece_output(self, piece, t: torch.Tensor, pst: dict[str, Any], views: dict[str, tuple]) -> tuple[list, list, dict[str, Any] | None]:
+        """After the inner step of one piece: its (host, device) swap-out copies, the device states it
+        created (to keep alive until copied), and its scalar states when it is the param's last piece."""
+        p = self.prep.params[piece.index]
+        flat = self.prep.flat[piece.index]
+        copies, hold, scalars = [], [], {}
+        for key, value in pst.items():
+            if key in views:
+                _, slot_view, host = views[key]
+                new = local(value)
+                if new.data_ptr() != slot_view.data_ptr():
+                    slot_view.copy_(new)  # the optimizer replaced the tensor instead of updating it
+                if slot_view.numel() and host is not None:  # None: a run of the chunk copies it out
+                    copies.append((host, slot_view))
+            elif is_swapped_state(t, key, value):  # created by the optimizer this step
+                src = local(value)
+                host = local(self.pending_host(p, key, value, flat))
+                dst = hoststate.flat_view(host)[piece.start : piece.stop] if flat else host
+                if src.numel():
+                    copies.append((dst, src))
+                    hold.append(src)
+            else:
+                scalars[key] = value
+        last = not flat or piece.stop == local(p).numel()
+        return copies, hold, (scalars if last else None)
+
+    def chunk_output(self, k: int, targets: list, chunk_state: dict, views: list):
+        """Swap-out copies, device tensors to hold, and (param, scalars) of params whose last piece this is."""
+        copies, hold, finals = list(getattr(views, "runs", ())), [], []
+        for pos, piece in enumerate(self.prep.plan.chunks[k].pieces):
+            t = targets[pos]
+            entered = t in chunk_state
+            c, h, scalars = self.piece_output(piece, t, chunk_state[t] if entered else {}, views[pos])
+            copies += c
+            hold += h
+            if scalars is not None:
+                finals.append((self.prep.params[piece.index], scalars if entered else None))
+        return copies, hold, finals
+
+    def publish(self, p: torch.Tensor, scalars: dict[str, Any] | None) -> None:
+        """p is fully stepped: its scalar states and the host states created this step become its state.
+        ``scalars`` None: the inner optimizer made no state entry for p, so none is made (as in torch)."""
+        created = self.pending.pop(p, None)
+        if scalars is None and not created and p not in self.opt.state:
+            return
+        st = self.opt.state[p]
+        st.update(scalars or {})
+        if created:
+            st.update(created)
+            self.layout.forget(p)
+
+    def pending_host(self, p: torch.Tensor, key: str, value: torch.Tensor, flat: bool) -> torch.Tensor:
+        """Host tensor for a state the optimizer created this step: allocated once, reused every step."""
+        states = self.pending.setdefault(p, {})
+        if key not in states:
+            src = local(value)
+            pre = self.layout.pre_hosts.get(p, {}).get(key)
+            if pre is not None and local(pre).dtype == src.dtype and (flat or local(pre).shape == src.shape):
+                states[key] = pre
+            elif flat:
+                if src.dim() != 1:
+                    raise RuntimeError(
+                        f"{type(self.opt.optimizer).__name__} created state {key!r} of shape {tuple(src.shape)} for a "
+                        "flat piece, so it is not element-wise; it cannot be split across chunks"
+                    )
+                states[key] = new_host_like(p, src.dtype)
+            else:
+                states[key] = hoststate.pinned_empty_like(value)
+        return states[key]
