@@ -69,7 +69,13 @@ class AdamWConfig(SwapConfig):
 
     ``type`` names any ``torch.optim`` optimizer; its constructor gets the keys below that it accepts.
     The swap knobs (``swap_optimizer``, ``swap_optimizer_times``, ``chunk_mb``, ``slots``,
-    ``resident_mb``) are inherited from :class:`swapopt.SwapConfig`.
+    ``resident_mb``, ``overlap_forward``) are inherited from :class:`swapopt.SwapConfig`.
+
+    ``overlap_forward`` (default False; only with ``swap_optimizer=True``): the optimizer's updates run on
+    their own stream, in forward order, and each module's forward waits only for its own params, so the
+    swap step hides under the next forward instead of delaying it. The engine attaches the optimizer to the
+    model (after FSDP2 sharding) and waits for pending updates before checkpoints and offload. Losses and
+    params are bitwise those with it off; it pays off when the forward takes about as long as the swap step.
     """
 
     type: str = "AdamW"
