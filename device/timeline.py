@@ -3,7 +3,10 @@
 The host issues ops; each launch costs `launch_us` of host time. An op starts once it is launched,
 its stream has finished everything before it (including waited events) and its lane is free:
 lanes "h2d", "d2h" and "compute" each serve one op at a time, so copies in opposite directions
-overlap each other and compute. Ops that touch no device memory run on the host ("host" lane).
+overlap each other and compute. Copy lanes serve ops in launch order; the compute lane runs an op in
+the first idle gap it fits after it is ready, so a kernel of one stream runs while a kernel of another
+stream launched before it still waits for an event (as the GPU's scheduler does). Ops that touch no
+device memory run on the host ("host" lane).
 
 Costs, as on the hardware:
 - a kernel takes max(bytes touched / HBM bandwidth, FLOPs / peak FLOP rate of its precision); only
@@ -18,6 +21,7 @@ Costs, as on the hardware:
 from __future__ import annotations
 
 import json
+import bisect
 from collections import deque
 from pathlib import Path
 from typing import NamedTuple
@@ -47,7 +51,11 @@ class Timeline:
     def __init__(self, preset: SimPreset, max_ops: int = 200_000) -> None:
         self.preset = preset
         self.host_us = 0.0
-        self._lane_free = dict.fromkeys(LANES, 0.0)
+        self._lane_free = dict.fromkeys(LANES, 0.0)  # when each lane's last scheduled op ends
+        # Busy intervals of the compute lane, sorted and disjoint, kept from the host's time on (nothing
+        # launched later can start before it): the idle gaps between them take later-ready kernels.
+        self._busy_start: list[float] = []
+        self._busy_end: list[float] = []
         # Per copy lane, the link rate it uses over time: (start_us, end_us, bytes per us) segments in time
         # order. Kept only as far back as the other lane could still overlap them.
         self._flow: dict[str, list[tuple[float, float, float]]] = {"h2d": [], "d2h": []}
@@ -129,16 +137,42 @@ class Timeline:
         """Launch a stream op that may start no earlier than `ready_us` (its stream's tail); return it.
         `flops` prices a compute op by arithmetic as well as by bytes (device.costs.op_flops)."""
         self.host_us += self.preset.launch_us
-        start = max(self.host_us, ready_us, self._lane_free[lane])
         if lane in _OPPOSITE:
+            start = max(self.host_us, ready_us, self._lane_free[lane])
             end = self._copy_end_us(lane, start, nbytes)
         else:
-            end = start + self.kernel_cost_us(nbytes, flops)
+            cost = self.kernel_cost_us(nbytes, flops)
+            start = self._fit(max(self.host_us, ready_us), cost)
+            end = start + cost
         work = flops.count if flops is not None and lane == "compute" else 0.0
         op = TimelineOp(stream, lane, name, label, start, end, nbytes, work)
-        self._lane_free[lane] = op.end_us
+        self._lane_free[lane] = max(self._lane_free[lane], op.end_us)
         self._ops.append(op)
         return op
+
+    def _fit(self, ready: float, cost: float) -> float:
+        """Book the earliest compute-lane interval of length `cost` starting at or after `ready`."""
+        starts, ends = self._busy_start, self._busy_end
+        drop = bisect.bisect_right(ends, self.host_us)
+        if drop:
+            del starts[:drop], ends[:drop]
+        t = ready
+        j = bisect.bisect_right(ends, t)  # the first interval still busy after t
+        while j < len(starts) and starts[j] < t + cost:
+            t = max(t, ends[j])
+            j += 1
+        start, end = t, t + cost
+        # record [start, end) before interval j, merged with the neighbours it touches
+        if j > 0 and ends[j - 1] >= t:
+            t = starts[j - 1]
+            j -= 1
+            del starts[j], ends[j]
+        if j < len(starts) and starts[j] <= end:
+            end = max(end, ends[j])
+            del starts[j], ends[j]
+        starts.insert(j, t)
+        ends.insert(j, end)
+        return start
 
     def host_op(self, nbytes: int, name: str, label: str | None) -> None:
         start = self.host_us

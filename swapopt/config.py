@@ -17,6 +17,9 @@ class SwapConfig(BaseModel):
     ``resident_mb``: states that fit this budget (MiB) stay on the device and are stepped first.
     ``per_param``: vouch that an optimizer from outside torch.optim keeps per-param state and reads no
     other param in its update (see swapopt.register_per_param); torch's own optimizers need no vouching.
+    ``overlap_forward``: run the updates on their own stream and let the next forward start under them,
+    each module waiting only for its own params (SwapOptimizer.attach(model) must be called; user code
+    reading params or states outside a forward calls SwapOptimizer.wait_for_update() first).
     """
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -27,6 +30,7 @@ class SwapConfig(BaseModel):
     slots: int = Field(default=3, ge=1)
     resident_mb: float = Field(default=0.0, ge=0)
     per_param: bool = False
+    overlap_forward: bool = False
 
     def wrap(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Return ``optimizer`` wrapped in a SwapOptimizer, or unchanged when swapping is off."""
@@ -43,4 +47,5 @@ class SwapConfig(BaseModel):
             slots=self.slots,
             resident_mb=self.resident_mb,
             per_param=self.per_param,
+            overlap_forward=self.overlap_forward,
         )

@@ -8,8 +8,13 @@ running step and the events that order everything:
     D2H stream                                 wait(update[k]) -> copy out[k] -> event (= slot free)
 
 Chunk k uses slot k % S. Its swap-in waits for the D2H that last read the slot, the update waits for
-the swap-in, the swap-out waits for the update. A failing step drains all three streams (drain);
-what the host then runs synchronously on the compute stream is ordered after everything they did.
+the swap-in, the swap-out waits for the update. A failing step drains every stream (drain); what the
+host then runs synchronously on the compute stream is ordered after everything they did.
+
+With ``overlap`` on, the updates run on a fourth, dedicated update stream instead of the compute
+stream (see swapopt.overlap): it waits for the step's entry event and each chunk's swap-in, and each
+param's "updated" event (recorded after the chunk holding its last piece) is left pending for the
+next forward to wait on, so step() returns without the compute stream waiting for anything.
 Nothing here knows about optimizers.
 """
 
@@ -28,13 +33,18 @@ Copies = Sequence[tuple[torch.Tensor, torch.Tensor]]  # (dst, src)
 class SwapOptimizerOperate:
     """Streams, staging slots and per-param events of one SwapOptimizer."""
 
-    def __init__(self, slots: int = 3) -> None:
+    def __init__(self, slots: int = 3, overlap: bool = False) -> None:
         if not isinstance(slots, int) or slots < 1:
             raise ValueError(f"slots must be an int >= 1, got {slots!r}")
         self.slots = slots
+        self.overlap = bool(overlap)
         self.mod: Any = None
         self._h2d: Any = None
         self._d2h: Any = None
+        self._upd: Any = None
+        self._resident_event: Any = None
+        # param -> its "updated" event, until a stream waited for it (overlap only; see swapopt.overlap)
+        self.pending: dict[torch.Tensor, Any] = {}
         self._compute: Any = None
         self.nslots = 0
         self._staging: list[torch.Tensor] = []
@@ -60,8 +70,10 @@ class SwapOptimizerOperate:
             return
         if self.mod is not None:
             self.release_staging()
-        self.mod, self._h2d, self._d2h = mod, None, None
+            self.sync_updates()
+        self.mod, self._h2d, self._d2h, self._upd = mod, None, None, None
         self._last_d2h = None
+        self.pending.clear()
         self._swap_in.clear()
         self._update.clear()
         self._swap_out.clear()
@@ -82,6 +94,57 @@ class SwapOptimizerOperate:
         if self._d2h is None:
             self._d2h = self.mod.Stream()
         return self._d2h
+
+    @property
+    def update_stream(self) -> Any:
+        """Where the updates run: a dedicated stream with ``overlap``, else the step's compute stream."""
+        if not self.overlap:
+            return self.compute_stream
+        if self._upd is None:
+            self._upd = self.mod.Stream()
+        return self._upd
+
+    # ----- overlap: what the update reads stays valid, what reads its results waits ------------
+    def keep_for_update(self, t: torch.Tensor | None) -> None:
+        """t (a grad, a snapshot) is read by this step's update: freeing it on the compute stream (e.g.
+        zero_grad(set_to_none=True)) must not hand its memory out before the update stream is done."""
+        if self.overlap and t is not None and not device.is_host_tensor(t):
+            device.record_stream(t, self.update_stream)
+
+    def snapshot(self, value: Any) -> Any:
+        """A copy, made now on the current (compute) stream, of a tensor the update reads but the caller
+        may change in place right after step() (a scheduler's tensor lr, GradScaler's scale and
+        found_inf): the update reads the copy. Tuples of tensors are copied element-wise."""
+        if not self.overlap:
+            return value
+        if isinstance(value, torch.Tensor):
+            copy = value.clone()
+            self.keep_for_update(copy)
+            return copy
+        if isinstance(value, tuple) and any(isinstance(v, torch.Tensor) for v in value):
+            return type(value)(self.snapshot(v) if isinstance(v, torch.Tensor) else v for v in value)
+        return value
+
+    def wait_for_update(self, params: Iterable[torch.Tensor] | None = None, stream: Any = None) -> None:
+        """``stream`` (the current one if None) waits for the pending updates of ``params`` (all if
+        None); they are no longer pending. No host block."""
+        if not self.pending:
+            return
+        if params is None:
+            events = list(self.pending.values())
+            self.pending.clear()
+        else:
+            events = [e for e in (self.pending.pop(p, None) for p in params) if e is not None]
+        if not events:
+            return
+        stream = stream if stream is not None else self.mod.current_stream()
+        for event in {id(e): e for e in events}.values():
+            stream.wait_event(event)
+
+    def sync_updates(self) -> None:
+        """The host waits for every update issued on the update stream (no-op without overlap)."""
+        if self._upd is not None:
+            self._upd.synchronize()
 
     # ----- one step --------------------------------------------------------------------------
     def begin_step(self) -> None:
@@ -106,6 +169,9 @@ class SwapOptimizerOperate:
         self.d2h_events = [None] * n_chunks
         start = self._pending_start = mod.Event(enable_timing=True)
         start.record(self._compute)
+        self._resident_event = None
+        if self.overlap:  # the update reads grads the backward wrote and the staging allocated above
+            self.update_stream.wait_event(start)
         h2d = self.h2d_stream
         h2d.wait_event(start)
         if self._last_d2h is not None:  # host states the last step wrote are read again now
@@ -129,29 +195,38 @@ class SwapOptimizerOperate:
             self.h2d_events[k] = h2d.record_event()
 
     def begin_update(self, k: int) -> None:
-        """Order the compute stream after chunk k's swap-in (or its slot's last D2H), and drop
-        the device tensors that D2H read: reusing their memory on the compute stream is now safe."""
+        """Order the update stream after chunk k's swap-in (or its slot's last D2H), and drop the
+        device tensors that D2H read: reusing their memory on the update stream is now safe."""
         s = k % self.nslots
         ready = self.h2d_events[k] if self.h2d_events[k] is not None else self._slot_free[s]
         if ready is not None:
-            self._compute.wait_event(ready)
+            self.update_stream.wait_event(ready)
         if self._held[s]:
             self._held_bytes -= sum(t.nbytes for t in self._held[s])
             self._held[s] = []
 
     def end_update(self, k: int) -> None:
-        self.update_events[k] = self._compute.record_event()
+        self.update_events[k] = self.update_stream.record_event()
 
     @contextmanager
     def updating(self, k: int | None) -> Iterator[None]:
         """The optimizer's update of chunk k (None: the resident params) is issued inside this block, on
         the stream the update runs on. Chunk k's update event is recorded only when the block completes."""
-        if k is None:
+        if not self.overlap:
+            if k is not None:
+                self.begin_update(k)
             yield
+            if k is not None:
+                self.end_update(k)
             return
-        self.begin_update(k)
-        yield
-        self.end_update(k)
+        with self.mod.stream(self.update_stream):
+            if k is not None:
+                self.begin_update(k)
+            yield
+            if k is None:
+                self._resident_event = self.update_stream.record_event()
+            else:
+                self.end_update(k)
 
     def swap_out(self, k: int, copies: Copies, hold: Iterable[torch.Tensor] = ()) -> None:
         """Copy device -> host for chunk k on the D2H stream after its update. ``hold``: device tensors
@@ -173,9 +248,11 @@ class SwapOptimizerOperate:
                 self.peak_staging_bytes, self._held_bytes + sum(t.nbytes for t in self._staging)
             )
 
-    def finish(self, last_chunk: dict[torch.Tensor, int]) -> None:
+    def finish(self, last_chunk: dict[torch.Tensor, int], resident: Iterable[torch.Tensor] = ()) -> None:
         """End the step without waiting: staging and held tensors are released stream-safely (the
-        allocator reuses them only after the D2H stream's queued copies), per-param events recorded."""
+        allocator reuses them only after the D2H stream's queued copies), per-param events recorded.
+        With overlap, each stepped param's update event becomes pending (``resident``: the params
+        updated in the updating(None) block)."""
         d2h = self.d2h_stream
         end = self.mod.Event(enable_timing=True)
         end.record(d2h)
@@ -183,6 +260,9 @@ class SwapOptimizerOperate:
         self._start, self._end, self._pending_start = self._pending_start, end, None
         for t in self._staging:
             device.record_stream(t, d2h)
+            if self.overlap:  # the compute stream never waited for the swap-ins or the updates
+                device.record_stream(t, self.h2d_stream)
+                device.record_stream(t, self.update_stream)
         for held in self._held:
             for t in held:
                 device.record_stream(t, d2h)
@@ -191,12 +271,20 @@ class SwapOptimizerOperate:
             self._swap_in[p] = self.h2d_events[k]
             self._update[p] = self.update_events[k]
             self._swap_out[p] = self.d2h_events[k]
+        if self.overlap:
+            for p, k in last_chunk.items():
+                if self.update_events[k] is not None:
+                    self.pending[p] = self.update_events[k]
+            if self._resident_event is not None:
+                for p in resident:
+                    self.pending[p] = self._update[p] = self._resident_event
 
     def drain(self) -> None:
         """Failure path: the host waits for every copy and update already enqueued, then drops staging."""
-        for stream in (self._h2d, self._compute, self._d2h):
+        for stream in (self._h2d, self._compute, self._upd, self._d2h):
             if stream is not None:
                 stream.synchronize()
+        self.pending.clear()  # the host saw every update: nothing is left to wait for
         self._drop()
 
     def _drop(self) -> None:

@@ -27,6 +27,7 @@ from swapopt.arena import Arenas, Run, itemsize
 from swapopt.hoststate import is_swapped_state, local, new_host_like, wrap_like
 from swapopt.hoststate import raw_step as _raw_step
 from swapopt.operate import SwapOptimizerOperate
+from swapopt.overlap import ForwardWaits
 from swapopt.plan import DEFAULT_ALIGN, SLOT_ALIGN as _SLOT_ALIGN, ParamSize, Plan, make_plan
 
 MiB = 1 << 20
@@ -169,6 +170,13 @@ class SwapOptimizer(torch.optim.Optimizer):
     that fit stay on the device and are stepped first; ``per_param``: vouch that an optimizer from
     outside torch.optim is per-param (see swapopt.perparam), so it is accepted. param_groups, state and defaults are the
     wrapped optimizer's own objects.
+
+    ``overlap_forward``: run the updates on a dedicated stream and let the next forward start under
+    them (swapopt.overlap): step() returns without the compute stream waiting, and each module's
+    forward waits only for its own params' updates. Needs ``opt.attach(model)`` (after ``fully_shard``
+    under FSDP2); code that reads params or states outside a module's forward (EMA, norms, saving the
+    model) calls ``opt.wait_for_update()`` first. ``zero_grad(set_to_none=False)`` zeroes grads in
+    place, so it first makes the current stream wait for the update (correct, but loses the overlap).
     """
 
     def __init__(
@@ -180,6 +188,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         slots: int = 3,
         resident_mb: float = 0.0,
         per_param: bool = False,
+        overlap_forward: bool = False,
     ) -> None:
         _refuse(optimizer, per_param)
         if not isinstance(swap_optimizer_times, int) or swap_optimizer_times < 1:
@@ -202,7 +211,9 @@ class SwapOptimizer(torch.optim.Optimizer):
         self.param_groups = optimizer.param_groups
         self.state = optimizer.state
         self.defaults = optimizer.defaults
-        self.operate = SwapOptimizerOperate(slots)
+        self.operate = SwapOptimizerOperate(slots, overlap=bool(overlap_forward))
+        self._forward_waits = ForwardWaits(self.operate)
+        self._hyper: dict[int, dict[str, Any]] = {}  # per group: step-time copies of tensor hyperparameters
         self._elementwise = perparam.is_elementwise(type(optimizer))
         self._pre_hosts: dict[torch.Tensor, dict[str, torch.Tensor]] = {}  # see _preallocate
         self._arenas = Arenas()  # pinned buffers holding new states in chunk order (swapopt.arena)
@@ -228,10 +239,13 @@ class SwapOptimizer(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if not getattr(self, "_ready", False):  # called by Optimizer.__init__ on the copies
             return super().add_param_group(param_group)
+        self.wait_for_update()
         self.optimizer.add_param_group(param_group)
         self._prepared = None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        if not set_to_none:  # zeroed in place: the update must be done reading them
+            self.wait_for_update()
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def __repr__(self) -> str:
@@ -248,9 +262,11 @@ class SwapOptimizer(torch.optim.Optimizer):
         copying.setstate(self, state)
 
     def state_dict(self) -> dict[str, Any]:
+        self.wait_for_update()
         return checkpoint.state_dict(self)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.wait_for_update()
         checkpoint.load_state_dict(self, state_dict)
         # Optimizer.load_state_dict rebinds state/param_groups: keep sharing the inner's objects.
         self.param_groups = self.optimizer.param_groups
@@ -261,6 +277,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         # swapopt.offload (the package attribute) is the function, not the module: import from the module.
         from swapopt.offload import offload
 
+        self.wait_for_update()
         offload(self, empty_cache=empty_cache)
 
     def onload(self) -> None:
@@ -269,6 +286,22 @@ class SwapOptimizer(torch.optim.Optimizer):
         onload(self)
 
     # ----- swapopt surface -------------------------------------------------------------------
+    @property
+    def overlap_forward(self) -> bool:
+        return self.operate.overlap
+
+    def attach(self, model: torch.nn.Module) -> None:
+        """Register the forward pre-hooks that order each module's forward after the update of its own
+        params (``overlap_forward``; harmless without it). Idempotent; a second model adds its modules.
+        Under FSDP2, call it after ``fully_shard``."""
+        self._forward_waits.attach(model)
+
+    def wait_for_update(self, params: Iterable[torch.Tensor] | None = None) -> None:
+        """Make the current stream wait for the pending updates of ``params`` (all if None), without
+        blocking the host. Call it before reading params or states outside a module's forward (EMA,
+        param norms, saving the model) when ``overlap_forward`` is on; a no-op otherwise."""
+        self.operate.wait_for_update(params)
+
     def wait_for_swap_out(self, params: Iterable[torch.Tensor] | None = None) -> None:
         """Block the host until in-flight swap-outs of ``params`` (all if None) are done; host state
         may be read or written afterwards."""
@@ -300,15 +333,21 @@ class SwapOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         inner = self.optimizer
+        if self.operate.overlap and not self._forward_waits.attached:
+            raise RuntimeError(
+                "SwapOptimizer(overlap_forward=True) needs the model: call opt.attach(model) once before the "
+                "first step (after fully_shard under FSDP2), so that each forward waits for its params' update"
+            )
         args: tuple = ()
         for hook in inner._optimizer_step_pre_hooks.values():  # the inner's own hooks run once per step
             result = hook(inner, args, kwargs)
             if result is not None:
                 args, kwargs = result
         # GradScaler hands fused optimizers grad_scale/found_inf as attributes of the optimizer it steps.
+        # With overlap_forward the update reads step-time copies: scaler.update() may change them right away.
         amp = {k: getattr(self, k) for k in ("grad_scale", "found_inf") if hasattr(self, k)}
         for k, v in amp.items():
-            setattr(inner, k, v)
+            setattr(inner, k, self.operate.snapshot(v))
         try:
             mode = device.get_device()
             if mode != self._device:
@@ -394,7 +433,11 @@ class SwapOptimizer(torch.optim.Optimizer):
         progress: dict[str, Any] = {"stage": ("done", -1)}
         h2d = d2h = 0
         try:
+            if op.overlap:  # copies made before the entry event: a scheduler may change the originals
+                self._hyper = {gi: self._snapshot_group(self.param_groups[gi]) for gi in set(groups)}
             op.begin(n, prep.slot_bytes, device.torch_device(self._device))
+            for p in params:  # zero_grad(set_to_none=True) may free them before the update read them
+                op.keep_for_update(p.grad)
             lookahead = op.nslots - 1
             for j in range(min(lookahead, n)):
                 views[j], b = self._swap_in(prep, j)
@@ -407,13 +450,15 @@ class SwapOptimizer(torch.optim.Optimizer):
                     h2d += b
                 d2h += self._update_and_swap_out(prep, k, views[k], pending, kwargs, progress)
                 views[k] = None
-            op.finish(prep.last_chunk)
+            op.finish(prep.last_chunk, prep.resident)
+            self._hyper = {}
         except BaseException as exc:  # Note [failure semantics]
             views.clear()
             recovery.recover(self, prep, progress, pending, kwargs)
             pending.clear()
             progress.clear()
             self._pre_hosts = {}
+            self._hyper = {}
             op.release_staging()
             recovery.drop_frames(exc)
             self._failed(exc)
@@ -428,6 +473,16 @@ class SwapOptimizer(torch.optim.Optimizer):
             "swapopt step {}: {} chunks, H2D {:.1f} MiB, D2H {:.1f} MiB, staging {:.1f} MiB, {} resident params",
             st.steps + 1, n, h2d / MiB, d2h / MiB, op.peak_staging_bytes / MiB, len(prep.resident),
         )  # fmt: skip
+
+    def _snapshot_group(self, group: dict[str, Any]) -> dict[str, Any]:
+        """Step-time copies of the group's tensor hyperparameters (lr tensors, tensor betas)."""
+        out = {}
+        for key, value in group.items():
+            if key != "params":
+                copy = self.operate.snapshot(value)
+                if copy is not value:
+                    out[key] = copy
+        return out
 
     def _failed(self, exc: BaseException) -> None:
         """swap_stats() keeps the last successful step's counters and says the last step failed."""
@@ -721,7 +776,8 @@ class SwapOptimizer(torch.optim.Optimizer):
         The step sees copies of the groups: a write to a group-level value would be lost, so it raises."""
         inner = self.optimizer
         order = sorted(chunk_groups)
-        groups = [dict(self.param_groups[gi], params=chunk_groups[gi]) for gi in order]
+        hyper = self._hyper
+        groups = [dict(self.param_groups[gi], params=chunk_groups[gi], **hyper.get(gi, {})) for gi in order]
         inner.param_groups, inner.state = groups, chunk_state
         try:
             self._step_fn(inner, **kwargs)
@@ -730,7 +786,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         for gi, copy in zip(order, groups):
             orig = self.param_groups[gi]
             for key, value in copy.items():
-                if key != "params" and (key not in orig or orig[key] is not value):
+                if key != "params" and (key not in orig or orig[key] is not value) and hyper.get(gi, {}).get(key) is not value:
                     raise RuntimeError(
                         f"{type(inner).__name__}.step wrote param_groups[{gi}][{key!r}]: SwapOptimizer steps each "
                         "chunk of params with its own copy of the group, so group-level writes (a step counter, a "
