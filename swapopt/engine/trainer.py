@@ -88,12 +88,15 @@ class StepMetrics(Mapping[str, Any]):
     into plain numbers, once. ``step`` is known without waiting."""
 
     def __init__(self, *, step: int, lr: float, loss: torch.Tensor, grad_norm: torch.Tensor | None, start: Any,
-                 optim_start: Any, end: Any, mem_peak_bytes: int | None, tokens: int,
+                 forward_end: Any, optim_start: Any, end: Any, mem_peak_bytes: int | None, tokens: int,
                  swap: tuple[Any, Any, Any] | None) -> None:
         self.step = step
+        # The compute stream's mark where the step began (an event; the wall clock on plain CPU): start to start
+        # of consecutive steps is the train-step period, however the update overlapped.
+        self.start = start
         self._pending: dict[str, Any] | None = dict(
-            lr=lr, loss=loss, grad_norm=grad_norm, start=start, optim_start=optim_start, end=end,
-            mem_peak_bytes=mem_peak_bytes, tokens=tokens, swap=swap)
+            lr=lr, loss=loss, grad_norm=grad_norm, start=start, forward_end=forward_end, optim_start=optim_start,
+            end=end, mem_peak_bytes=mem_peak_bytes, tokens=tokens, swap=swap)
         self._values: dict[str, Any] | None = None
 
     @property
@@ -113,6 +116,7 @@ class StepMetrics(Mapping[str, Any]):
                 "grad_norm": None if grad_norm is None else grad_norm.item(),
                 "tokens_per_s": p["tokens"] / step_s,
                 "step_ms": step_s * 1e3,
+                "forward_ms": _elapsed_ms(p["start"], p["forward_end"]),  # with overlap: waits for the update
                 "optim_ms": _elapsed_ms(p["optim_start"], p["end"]),
                 "mem_peak_bytes": p["mem_peak_bytes"],
             }
@@ -155,7 +159,7 @@ class TrainEngine:
         self.model = model.train()
         self.optimizer = cfg.optim.build(self.model.parameters())
         self.swapping = isinstance(self.optimizer, SwapOptimizer)
-        self.overlap = self.swapping and getattr(cfg.optim, "overlap_forward", False)  # TEMP
+        self.overlap = self.swapping and cfg.optim.overlap_forward
         if self.overlap:
             # Forward pre-hooks make each module wait for its own params' updates only; on FSDP2 they must see
             # the sharded model, so this comes after fully_shard.
@@ -221,6 +225,7 @@ class TrainEngine:
         start = self._mark()
         logits = logits_of(self.model(inputs))
         loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        forward_end = self._mark()
         loss.backward()
         grad_norm = None
         if tcfg.grad_clip is not None:
@@ -240,7 +245,8 @@ class TrainEngine:
             end = self._mark()
             self.step += 1
             self.last_metrics = StepMetrics(
-                step=self.step, lr=lr, loss=loss, grad_norm=grad_norm, start=start, optim_start=optim_start,
+                step=self.step, lr=lr, loss=loss, grad_norm=grad_norm, start=start, forward_end=forward_end,
+                optim_start=optim_start,
                 end=end, mem_peak_bytes=self._peak_memory(), swap=self._swap_record(),
                 tokens=self.world_size * tcfg.batch * tcfg.seq_len)
         return self.last_metrics
