@@ -115,5 +115,6 @@ def engine_spans(marks_us: list[float] = ()) -> tuple[list[Span], list[float]]:
         spans.append(Span(lane=lane, name=op.name, start_us=op.start_us, end_us=op.end_us, chunk=_chunk_of(op.label)))
     if not spans:
         return [], []
-    t0 = min(s.start_us for s in spans)
-    return _from_zero(spans), [m - t0 for m in marks_us]
+    t0 = min([s.start_us for s in spans] + list(marks_us))  # a step starts a launch before its first kernel
+    shifted = [s.model_copy(update={"start_us": s.start_us - t0, "end_us": s.end_us - t0}) for s in spans]
+    return shifted, [m - t0 for m in marks_us]
