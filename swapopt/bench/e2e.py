@@ -1,10 +1,11 @@
 """End to end: the engine's train step with optimizer states resident, swapped, and swapped with
 ``overlap_forward``, per engine config.
 
-Each variant trains ``warmup`` steps, then ``steps + 1`` more in a loop that never makes the host wait: the
-train-step period is the device time between the start of the first timed step and the start of the step
+Each variant trains ``warmup`` steps, then ``steps + 1`` more, all in one loop that never makes the host wait:
+the train-step period is the device time between the start of the first timed step and the start of the step
 after the last, read from the steps' own start events with one synchronize at the end. Start to start counts
-every update once, whether it ran on the compute stream (overlap off) or under the next forward (on).
+every update once, whether it ran on the compute stream (overlap off) or under the next forward (on: the
+forward of each timed step waits for the update before it).
 Forward time, the optimizer step alone and peak memory come from the same steps' metrics, read afterwards.
 
 overlap efficiency = hidden swap time / min(swap step, forward time), where hidden swap time = train step
@@ -78,9 +79,10 @@ def _variant(name: str, options: list[str], variant: str, steps: int, warmup: in
     cfg = engine.cfg
     picture: tuple[list[Span], list[float]] = ([], [])
     try:
+        # No synchronize after the warm-up: with overlap_forward the first timed forward must still wait for the
+        # last warm-up update, as every forward does in a run; start to start then counts each update once.
         for _ in range(warmup):
             engine.train_step()
-        mod.synchronize()  # warm-up done: the timed loop starts from an idle device
         timed = []
         for i in range(steps + 1):  # no host sync in this loop
             if capture and i == steps - 1 and hasattr(mod, "reset_timeline"):
