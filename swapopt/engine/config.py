@@ -128,6 +128,8 @@ class TrainConfig(_Strict):
     checkpoint_interval: int = Field(default=0, ge=0)  # steps between DCP saves (0: only at the end)
     resume: Optional[str] = None  # a checkpoint directory (one step) or a checkpoint_dir (latest step)
     metrics_path: Optional[str] = None  # JSONL, one line per step
+    # steps between printed lines; also how often metrics are read from the device (the only host waits of a run
+    # besides checkpoints, rollouts and the end) and written to metrics_path
     log_interval: int = Field(default=10, ge=1)
     device: Literal["auto", "cuda", "npu", "cpu", "sim"] = "auto"
     sim_preset: str = "h100"  # simulator preset when no accelerator is found (or device="sim")
