@@ -170,4 +170,7 @@ def run_e2e(spec: str, steps: int = 2, warmup: int = WARMUP, on_done: Callable[[
             logger.warning("end-to-end {} {}: {}", spec, variant, err)
             runs[variant] = {"note": f"{type(err).__name__}: {err}"}
         on_done()
-    return summarize(name, options, runs), picture
+    row = summarize(name, options, runs)
+    logger.info("end to end {}: train step resident {}, overlap off {}, on {} ms; efficiency {}", spec,
+                row.get("resident_train_ms"), row.get("train_off_ms"), row.get("train_on_ms"), row.get("efficiency"))
+    return row, picture
