@@ -38,7 +38,7 @@ from swapopt.engine.interrupt import InterruptGuard
 from swapopt.engine.preflight import (DEVICE_ENV, DevicePlan, check_fits, check_paths, count_params, describe,
                                       estimate, local_world_size, plan_device, slow_hint)
 from swapopt.engine.resume import check_resume
-from swapopt.engine.trainer import TrainEngine
+from swapopt.engine.trainer import StepMetrics, TrainEngine
 
 MiB = 2**20
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for a Ctrl-C
@@ -139,6 +139,30 @@ def run(cfg: EngineConfig, console: Console, label: str = "train", modeled: bool
     metrics_file = None
     summary: dict[str, Any] = {"start_step": 0}
     written = 0  # newest step whose metrics line is in the file
+    unwritten: list[StepMetrics] = []  # finished steps whose metrics are not read yet, in order
+
+    def flush() -> int:
+        """Read the metrics of the unwritten steps (waiting for the device once), add them to the summary and
+        write their lines; returns the newest step written. A step leaves the list only once its line is out."""
+        last = written
+        while unwritten:
+            m = unwritten[0]
+            if m.step > last:
+                line = m.resolve()
+                summary["losses"].append(line["loss"])
+                summary["swap_bytes"] += line.get("swap_bytes", 0)
+                summary["h2d_bytes"] += line.get("swap_h2d_bytes", 0)
+                summary["d2h_bytes"] += line.get("swap_d2h_bytes", 0)
+                if line["mem_peak_bytes"] is not None:
+                    summary["mem_peak_bytes"] = max(summary["mem_peak_bytes"] or 0, line["mem_peak_bytes"])
+                if metrics_file:
+                    metrics_file.write(json.dumps(line) + "\n")
+                last = m.step
+            unwritten.pop(0)
+        if metrics_file:
+            metrics_file.flush()  # a killed run keeps every step written so far
+        return last
+
     try:
         engine = TrainEngine(cfg)
         if guard is not None:
@@ -163,24 +187,26 @@ def run(cfg: EngineConfig, console: Console, label: str = "train", modeled: bool
             task = progress.add_task(label, total=tcfg.steps, completed=engine.step)
             while engine.step < tcfg.steps:
                 m = engine.train_step()
-                with bookkeeping():  # a Ctrl-C here waits until the step's line is written, once
+                step = m.step
+                logged = main_rank and (step % tcfg.log_interval == 0 or step in (1, tcfg.steps))
+                saving = bool(tcfg.checkpoint_dir and tcfg.checkpoint_interval and step % tcfg.checkpoint_interval == 0)
+                rollout = bool(cfg.rl and step % cfg.rl.rollout_every == 0 and step < tcfg.steps)
+                # Reading metrics waits for the device, so they are read in batches: at the log interval, before
+                # a checkpoint or a rollout (the file then holds every step up to it) and at the end.
+                due = step % tcfg.log_interval == 0 or step in (1, tcfg.steps) or saving or rollout
+                with bookkeeping():  # a Ctrl-C here waits until the step is queued (and, when due, written) once
                     state["step"] = engine.step
-                    summary["losses"].append(m["loss"])
-                    summary["swap_bytes"] += m.get("swap_bytes", 0)
-                    summary["h2d_bytes"] += m.get("swap_h2d_bytes", 0)
-                    summary["d2h_bytes"] += m.get("swap_d2h_bytes", 0)
-                    if m["mem_peak_bytes"] is not None:
-                        summary["mem_peak_bytes"] = max(summary["mem_peak_bytes"] or 0, m["mem_peak_bytes"])
-                    if metrics_file:
-                        metrics_file.write(json.dumps(m) + "\n")
-                        metrics_file.flush()  # a killed run keeps every finished step
-                    written = m["step"]
-                if main_rank and (m["step"] % tcfg.log_interval == 0 or m["step"] in (1, tcfg.steps)):
+                    unwritten.append(m)
+                    if due:
+                        written = flush()
+                if due:
+                    progress.update(task, description=f"{label}  loss {m['loss']:.4f}")
+                if logged:
                     progress.console.print(step_line(m, modeled, prefix))
-                progress.update(task, completed=engine.step, description=f"{label}  loss {m['loss']:.4f}")
-                if tcfg.checkpoint_dir and tcfg.checkpoint_interval and engine.step % tcfg.checkpoint_interval == 0:
+                progress.update(task, completed=engine.step)
+                if saving:
                     checkpoint = state["checkpoint"] = engine.save_checkpoint()
-                if cfg.rl and engine.step % cfg.rl.rollout_every == 0 and engine.step < tcfg.steps:
+                if rollout:
                     r = engine.rollout(cfg.rl.rollout_buffer_mb, cfg.rl.empty_cache)
                     if metrics_file:
                         metrics_file.write(json.dumps(r) + "\n")
@@ -196,9 +222,12 @@ def run(cfg: EngineConfig, console: Console, label: str = "train", modeled: bool
             guard.acknowledge()
         step = engine.step if engine is not None else 0
         last = engine.last_metrics if engine is not None else None
-        if metrics_file and last is not None and last["step"] == step and written < step:
-            # Ctrl-C landed between the end of a step and its metrics line: the step is done, so is its line.
-            metrics_file.write(json.dumps(last) + "\n")
+        if engine is not None:
+            written = flush()
+        if last is not None and last.step == step and written < step:
+            # Ctrl-C landed between the end of a step and its queueing: the step is done, so is its line.
+            unwritten.append(last)
+            written = flush()
         saved_now = checkpoint is not None and checkpoint.name == f"step_{step:08d}"
         if (engine is not None and step > summary["start_step"] and tcfg.save_on_interrupt and tcfg.checkpoint_dir and not saved_now
                 and not (guard is not None and guard.torn)):

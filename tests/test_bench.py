@@ -182,3 +182,51 @@ def test_timeline_title_counts_the_chunks_it_shows(tmp_path, monkeypatch):
     ((chunks, title),) = seen
     assert chunks > 1 and title.startswith(f"one swapopt step: {chunks} chunks, 3 slots")
     assert "(modeled)" in title
+
+
+# ----- end to end: resident, swapped and overlapped train steps of an engine config -------------------------
+E2E_SMALL = "tiny:model.dim=32:model.n_layers=2:model.n_heads=2:model.max_seq_len=16:train.batch=2:train.seq_len=16"
+
+
+def test_e2e_summary_derives_hidden_time_efficiency_and_overheads():
+    from swapopt.bench.e2e import summarize
+
+    base = {"params": 1000, "layers": 2, "tokens": 64, "losses": [2.0, 1.5], "peak_bytes": 10}
+    runs = {
+        "resident": {**base, "train_step_ms": 10.0, "forward_ms": 4.0, "optim_ms": 1.0},
+        "swap": {**base, "train_step_ms": 16.0, "forward_ms": 4.0, "optim_ms": 0.5, "swap_ms": 6.0},
+        "overlap": {**base, "train_step_ms": 12.5, "forward_ms": 5.0, "optim_ms": 0.2, "swap_ms": 6.0},
+    }
+    row = summarize("cfg", ["train.batch=2"], runs)
+    assert row["hidden_ms"] == pytest.approx(3.5)
+    assert row["efficiency"] == pytest.approx(3.5 / 4.0)  # the forward (4 ms) is the smaller window
+    assert row["overhead_off"] == pytest.approx(0.6) and row["overhead_on"] == pytest.approx(0.25)
+    assert (row["resident_step_ms"], row["swap_step_ms"], row["forward_ms"]) == (1.0, 6.0, 4.0)
+    assert row["forward_covers_swap"] is False
+    assert row["efficiency_met"] is False and row["overhead_met"] is False and row["losses_equal"] is True
+
+    runs["overlap"] = {**runs["overlap"], "train_step_ms": 10.2, "losses": [2.0, 1.25]}
+    row = summarize("cfg", [], runs)
+    assert row["efficiency"] == pytest.approx(5.8 / 4.0) and row["efficiency_met"] is True
+    assert row["overhead_met"] is True and row["losses_equal"] is False
+
+    failed = summarize("cfg", [], {**runs, "overlap": {"note": "OutOfMemoryError: x"}})
+    assert failed["train_on_ms"] is None and "efficiency" not in failed and "overlap: OutOfMemoryError" in failed["note"]
+
+
+def test_e2e_run_on_the_simulator_reports_every_field_and_draws_the_update_lane(clean_device_env):
+    from swapopt.bench.e2e import run_e2e
+    from swapopt.bench.report import e2e_table
+
+    with sim.activate(sanitize=False):
+        row, (spans, marks) = run_e2e(E2E_SMALL, steps=1, warmup=2)
+    assert "note" not in row, row.get("note")
+    for key in ("resident_step_ms", "swap_step_ms", "forward_ms", "resident_train_ms", "train_off_ms",
+                "train_on_ms", "hidden_ms", "efficiency", "overhead_on", "peak_swap_bytes"):
+        assert isinstance(row[key], float | int), key
+    assert row["train_off_ms"] > row["resident_train_ms"] > 0 and row["swap_step_ms"] > 0
+    assert row["losses_equal"] is True and row["tokens"] == 32 and row["layers"] == 2
+    assert {s.lane for s in spans} >= {"h2d", "compute", "update", "d2h"}
+    assert len(marks) == 2 and 0 <= marks[0] < marks[1]  # the two steps' starts
+    table = e2e_table([row], modeled=True)
+    assert "overlap efficiency" in table and "tiny (model.dim=32" in table and "(modeled)" in table

@@ -199,3 +199,36 @@ def test_ctrl_c_held_in_the_optimizer_step_still_writes_that_steps_metrics_line(
     assert stop.value.step == at_step
     assert stop.value.checkpoint == ckpt / f"step_{at_step:08d}"
     assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == list(range(1, at_step + 1))
+
+
+def test_metrics_lines_are_written_in_batches_each_step_once_and_up_to_every_checkpoint(clean_device_env, tmp_path,
+                                                                                       monkeypatch):
+    # Reading a step's metrics waits for the device, so the loop reads them at the log interval; a checkpoint
+    # still finds the line of every step it holds in the file, and nothing after it.
+    import io
+
+    from rich.console import Console
+
+    from swapopt.engine.config import load_config
+    from swapopt.engine.preflight import plan_device
+    from swapopt.engine.trainer import TrainEngine
+    from swapopt.train import device_context, run
+
+    metrics, ckpt = tmp_path / "m.jsonl", tmp_path / "ckpt"
+    seen: list[tuple[int, list[int]]] = []
+    save = TrainEngine.save_checkpoint
+
+    def recording_save(engine, root=None):
+        seen.append((engine.step, [json.loads(line)["step"] for line in metrics.read_text().splitlines()]))
+        return save(engine, root)
+
+    monkeypatch.setattr(TrainEngine, "save_checkpoint", recording_save)
+    cfg = load_config(TINY, [*SMALL, "train.steps=7", "train.log_interval=3", f"train.metrics_path={metrics}",
+                             f"train.checkpoint_dir={ckpt}", "train.checkpoint_interval=5"])
+    with device_context(cfg, plan_device(cfg)):
+        summary = run(cfg, Console(file=io.StringIO()), modeled=True)
+    assert seen == [(5, [1, 2, 3, 4, 5]), (7, list(range(1, 8)))]
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 8))
+    assert summary["losses"] == [r["loss"] for r in rows]
+    assert all(r["forward_ms"] > 0 and r["swap_ms"] > 0 for r in rows)

@@ -90,9 +90,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--layout-max-params", type=int, default=None,
                     help=f"layouts with more params are scaled down (every dim divided alike; tensor counts kept); "
                     f"default {SIM_MAX_NUMEL:,} on the simulator, what fits on a device")
-    ap.add_argument("--e2e", default=None, help="engine configs for the train-step comparison, comma-separated "
-                    "(default: none; with --full tiny on the simulator, llm_1b on a device); 'none' to skip")
-    ap.add_argument("--e2e-steps", type=int, default=6, help="train steps per end-to-end run (first 2 are warm-up)")
+    ap.add_argument("--e2e", default=None, help="engine configs for the train-step comparison (resident, swapped, "
+                    "swapped with overlap_forward), comma-separated; each a config name or path, optionally with "
+                    "config options after colons, e.g. 'llm_1b:model.n_layers=2:train.batch=1' (default: none; "
+                    "with --full tiny on the simulator, llm_1b on a device); 'none' to skip")
+    ap.add_argument("--e2e-steps", type=int, default=2, help="timed train steps per end-to-end variant (default 2)")
+    ap.add_argument("--e2e-warmup", type=int, default=2, help="untimed train steps before them (default 2)")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder (default bench/results); "
                     "existing results are never overwritten (a -2, -3... suffix is added)")
     ap.add_argument("--tag", default="", help="suffix of the output file names (DEVICE-DATE-TAG.json ...)")
@@ -168,12 +171,23 @@ def _run(args: argparse.Namespace) -> tuple[Report, list[Path]]:
                     repeats=cfg.repeats, on_done=lambda _: progress.advance(layout_task),
                 ))
         e2e = []
+        e2e_picture = None
         if e2e_configs:
-            from swapopt.bench.e2e import run_e2e
+            from swapopt.bench.e2e import VARIANTS, run_e2e
 
-            e2e_task = progress.add_task("end to end", total=2 * len(e2e_configs))
-            for name in e2e_configs:
-                e2e += run_e2e(name, steps=args.e2e_steps, on_done=lambda: progress.advance(e2e_task))
+            e2e_task = progress.add_task("end to end", total=len(VARIANTS) * len(e2e_configs))
+            for spec in e2e_configs:
+                progress.update(e2e_task, description=spec.split(":")[0])
+                row, (spans, marks) = run_e2e(spec, steps=args.e2e_steps, warmup=args.e2e_warmup,
+                                              on_done=lambda: progress.advance(e2e_task),
+                                              capture=e2e_picture is None)
+                e2e.append(row)
+                if spans and e2e_picture is None:
+                    only_e2e = not results and not layouts
+                    path = args.out / (f"{stem}.png" if only_e2e else f"{stem}-e2e-timeline.png")
+                    title = (f"two consecutive train steps of {spec} with overlap_forward, {label}"
+                             + (" (modeled)" if simulated else "") + "; dashed: step starts")
+                    e2e_picture = timeline_chart(spans, path, title, marks)
 
     preset = dataclasses.asdict(mod.preset) if simulated else None
     name = label if simulated else f"{label} ({device.get_device()})"
@@ -183,19 +197,21 @@ def _run(args: argparse.Namespace) -> tuple[Report, list[Path]]:
         sizes=results, targets=[targets_for(s) for s in results], e2e=e2e, layouts=layouts,
         notes=[SIM_NOTE] if simulated else [],
     )
-    return report, _write_outputs(report, args.out, stem, timeline_png[0] if timeline_png else None)
+    return report, _write_outputs(report, args.out, stem, timeline_png[0] if timeline_png else None, e2e_picture)
 
 
-def _write_outputs(report: Report, out: Path, stem: str, timeline: Path | None) -> list[Path]:
-    """JSON, markdown (linking the step timeline when there is one) and bar chart."""
+def _write_outputs(report: Report, out: Path, stem: str, timeline: Path | None,
+                   e2e_timeline: Path | None = None) -> list[Path]:
+    """JSON, markdown (linking the step timelines when there are some) and bar chart."""
     from swapopt.bench.plots import bar_chart
 
     modeled = " (modeled)" if report.device == "sim" else ""
     chart = None
     if report.sizes:  # a run of layouts only has no size rows to chart
         chart = bar_chart(report.sizes, out / f"{stem}-chart.png", f"AdamW step / bound, {report.device_name}{modeled}")
-    json_path, md_path = write(report, out, stem, chart.name if chart else None, timeline.name if timeline else None)
-    return [json_path, md_path] + ([chart] if chart else []) + ([timeline] if timeline else [])
+    json_path, md_path = write(report, out, stem, chart.name if chart else None, timeline.name if timeline else None,
+                               e2e_timeline.name if e2e_timeline else None)
+    return [json_path, md_path] + [p for p in (chart, timeline, e2e_timeline) if p]
 
 
 def _render(path: Path) -> tuple[Report, list[Path]]:
@@ -204,7 +220,9 @@ def _render(path: Path) -> tuple[Report, list[Path]]:
     report.targets = [targets_for(s) for s in report.sizes]
     report.layouts = [derive(r) for r in report.layouts]
     timeline = path.parent / f"{path.stem}-timeline.png"
-    return report, _write_outputs(report, path.parent, path.stem, timeline if timeline.exists() else None)
+    e2e_timeline = next((p for p in (path.parent / f"{path.stem}-e2e-timeline.png", path.with_suffix(".png"))
+                         if report.e2e and p.exists()), None)
+    return report, _write_outputs(report, path.parent, path.stem, timeline if timeline.exists() else None, e2e_timeline)
 
 
 def _error(text: str) -> int:

@@ -1,8 +1,15 @@
-"""End to end: train-step time and peak device memory of an engine config, swap on and off.
+"""End to end: the engine's train step with optimizer states resident, swapped, and swapped with
+``overlap_forward``, per engine config.
 
-Step time comes from device events around ``TrainEngine.train_step`` (which synchronizes at its end),
-so the simulator reports modeled time and a real device its own; the engine's wall-clock figures
-would measure the simulator's CPU work instead. The first steps warm up and are not counted.
+Each variant trains ``warmup`` steps, then ``steps + 1`` more, all in one loop that never makes the host wait:
+the train-step period is the device time between the start of the first timed step and the start of the step
+after the last, read from the steps' own start events with one synchronize at the end. Start to start counts
+every update once, whether it ran on the compute stream (overlap off) or under the next forward (on: the
+forward of each timed step waits for the update before it).
+Forward time, the optimizer step alone and peak memory come from the same steps' metrics, read afterwards.
+
+overlap efficiency = hidden swap time / min(swap step, forward time), where hidden swap time = train step
+with overlap off - train step with overlap on: the share of what overlapping could hide that it did hide.
 """
 
 from __future__ import annotations
@@ -11,12 +18,17 @@ import gc
 import statistics
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from loguru import logger
 
 import device
+from swapopt.bench.timeline import Span, engine_spans
 
 WARMUP = 2
+VARIANTS = ("resident", "swap", "overlap")  # swap_optimizer off; on; on with overlap_forward
+TARGET_EFFICIENCY = 0.90
+TARGET_OVERHEAD = 0.05
 
 
 def config_path(name: str) -> Path:
@@ -25,63 +37,140 @@ def config_path(name: str) -> Path:
     return path if path.suffix in (".py", ".yaml", ".yml") else Path("configs") / f"{name}.py"
 
 
-def _steps(name: str, swap: bool, steps: int) -> dict:
-    from swapopt.engine.config import load_config
+def parse_spec(spec: str) -> tuple[str, list[str]]:
+    """'llm_1b:model.n_layers=2:train.batch=1' -> ('llm_1b', ['model.n_layers=2', 'train.batch=1'])."""
+    name, *options = spec.split(":")
+    if not name:
+        raise ValueError(f"end-to-end config spec {spec!r} has no config name")
+    bad = [o for o in options if "=" not in o]
+    if bad:
+        raise ValueError(f"end-to-end config spec {spec!r}: options must be key=value, got {bad}")
+    return name, options
+
+
+def _cfg(name: str, options: list[str], variant: str, steps: int) -> Any:
+    from swapopt.engine.config import load_config, parse_cfg_options
+
+    fixed = {
+        "train.steps": steps,
+        "train.compare_resident": 0,
+        "train.checkpoint_dir": None,
+        "train.checkpoint_interval": 0,
+        "train.metrics_path": None,
+        "train.resume": None,
+        "rl": None,
+    }
+    overrides = {**parse_cfg_options(options), **fixed,
+                 "optim.swap_optimizer": variant != "resident", "optim.overlap_forward": variant == "overlap"}
+    return load_config(config_path(name), overrides)
+
+
+def _median(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
+def _variant(name: str, options: list[str], variant: str, steps: int, warmup: int,
+             capture: bool) -> tuple[dict, tuple[list[Span], list[float]]]:
     from swapopt.engine.trainer import TrainEngine
 
-    cfg = load_config(
-        config_path(name),
-        {
-            "optim.swap_optimizer": swap,
-            "train.steps": steps,
-            "train.compare_resident": 0,
-            "train.checkpoint_dir": None,
-            "train.checkpoint_interval": 0,
-            "train.metrics_path": None,
-        },
-    )
     mod = device.get_torch_device_module()
-    engine = TrainEngine(cfg)
-    n_params = engine.n_params
-    times, peaks = [], []
+    engine = TrainEngine(_cfg(name, options, variant, warmup + steps + 1))
+    cfg = engine.cfg
+    picture: tuple[list[Span], list[float]] = ([], [])
     try:
-        for i in range(steps):
-            start, end = mod.Event(enable_timing=True), mod.Event(enable_timing=True)
-            start.record()
-            metrics = engine.train_step()
-            end.record()
-            end.synchronize()
-            if i >= WARMUP:
-                times.append(start.elapsed_time(end))
-                peaks.append(metrics.get("mem_peak_bytes") or 0)
+        # No synchronize after the warm-up: with overlap_forward the first timed forward must still wait for the
+        # last warm-up update, as every forward does in a run; start to start then counts each update once.
+        for _ in range(warmup):
+            engine.train_step()
+        timed = []
+        for i in range(steps + 1):  # no host sync in this loop
+            if capture and i == steps - 1 and hasattr(mod, "reset_timeline"):
+                mod.reset_timeline()  # the picture: the last two steps
+            timed.append(engine.train_step())
+        engine.wait_for_update()
+        mod.synchronize()  # the one wait of the timed loop
+        period_ms = timed[0].start.elapsed_time(timed[-1].start) / steps
+        if capture:  # step starts: the simulator's event times
+            picture = engine_spans([m.start.time_us for m in timed[-2:] if getattr(m.start, "time_us", None) is not None])
+        lines = [m.resolve() for m in timed[:-1]]
+        row = {
+            "variant": variant,
+            "params": engine.n_params,
+            "layers": cfg.model.n_layers,
+            "tokens": cfg.train.batch * cfg.train.seq_len,
+            "train_step_ms": period_ms,
+            "forward_ms": _median([m["forward_ms"] for m in lines]),
+            "optim_ms": _median([m["optim_ms"] for m in lines]),
+            "swap_ms": _median([m.get("swap_ms") for m in lines]),
+            "peak_bytes": max(m["mem_peak_bytes"] or 0 for m in lines),
+            "losses": [m["loss"] for m in lines],
+        }
     finally:
+        engine.close()
         del engine
         gc.collect()
         mod.empty_cache()
-    return {
-        "config": name,
-        "swap": swap,
-        "params": n_params,
-        "steps": len(times),
-        "step_ms": statistics.median(times),
-        "peak_bytes": max(peaks),
-    }
+    return row, picture
 
 
-def run_e2e(name: str, steps: int = 6, on_done: Callable[[], None] = lambda: None) -> list[dict]:
-    """[resident row, swap row] for engine config `name`; the swap row carries its overhead."""
-    if steps <= WARMUP:
-        raise ValueError(f"--e2e-steps must exceed the {WARMUP} warm-up steps, got {steps}")
-    rows = []
-    for swap in (False, True):
+def summarize(config: str, options: list[str], runs: dict[str, dict]) -> dict:
+    """One report row from the three variants' runs (pure arithmetic, tested on its own)."""
+    res, swap, ovl = (runs.get(v, {}) for v in VARIANTS)
+    row: dict[str, Any] = {"config": config, "options": options}
+    for key in ("params", "layers", "tokens"):
+        row[key] = next((r[key] for r in (res, swap, ovl) if key in r), None)
+    row.update(
+        resident_step_ms=res.get("optim_ms"),  # the optimizer step alone, states resident
+        swap_step_ms=swap.get("swap_ms"),  # the optimizer step alone, swapped: entry to last swap-out
+        resident_train_ms=res.get("train_step_ms"),
+        train_off_ms=swap.get("train_step_ms"),
+        train_on_ms=ovl.get("train_step_ms"),
+        forward_ms=res.get("forward_ms"),  # resident: no update to wait for inside it
+        peak_resident_bytes=res.get("peak_bytes"),
+        peak_swap_bytes=swap.get("peak_bytes"),
+        peak_overlap_bytes=ovl.get("peak_bytes"),
+    )
+    notes = [f"{v}: {runs[v]['note']}" for v in VARIANTS if "note" in runs.get(v, {})]
+    off, on, base = row["train_off_ms"], row["train_on_ms"], row["resident_train_ms"]
+    if off is not None and on is not None:
+        row["hidden_ms"] = off - on
+        window = min(x for x in (row["swap_step_ms"], row["forward_ms"]) if x is not None) \
+            if (row["swap_step_ms"] is not None or row["forward_ms"] is not None) else None
+        row["efficiency"] = row["hidden_ms"] / window if window else None
+    if base:
+        row["overhead_off"] = off / base - 1 if off is not None else None
+        row["overhead_on"] = on / base - 1 if on is not None else None
+    losses = [runs[v]["losses"] for v in VARIANTS if "losses" in runs.get(v, {})]
+    row["losses_equal"] = len(losses) == len(VARIANTS) and all(x == losses[0] for x in losses)
+    if row["forward_ms"] is not None and row["swap_step_ms"] is not None:
+        row["forward_covers_swap"] = row["forward_ms"] >= row["swap_step_ms"]
+    eff, over = row.get("efficiency"), row.get("overhead_on")
+    row["efficiency_met"] = None if eff is None else eff >= TARGET_EFFICIENCY
+    row["overhead_met"] = None if over is None else over <= TARGET_OVERHEAD
+    if notes:
+        row["note"] = "; ".join(notes)
+    return row
+
+
+def run_e2e(spec: str, steps: int = 2, warmup: int = WARMUP, on_done: Callable[[], None] = lambda: None,
+            capture: bool = True) -> tuple[dict, tuple[list[Span], list[float]]]:
+    """The row of engine config ``spec`` ('name' or 'name:key=value:...') and, with ``capture``, the spans of
+    two consecutive overlapped train steps and their start times (simulator only)."""
+    if steps < 1:
+        raise ValueError(f"--e2e-steps must be at least 1, got {steps}")
+    name, options = parse_spec(spec)
+    runs: dict[str, dict] = {}
+    picture: tuple[list[Span], list[float]] = ([], [])
+    for variant in VARIANTS:
         try:
-            rows.append(_steps(name, swap, steps))
-        except Exception as err:  # noqa: BLE001 - report why a config could not run (OOM, missing file)
-            logger.warning("end-to-end {} swap={}: {}", name, swap, err)
-            rows.append({"config": name, "swap": swap, "note": f"{type(err).__name__}: {err}"})
+            runs[variant], got = _variant(name, options, variant, steps, warmup, capture and variant == "overlap")
+            picture = got if got[0] else picture
+        except Exception as err:  # noqa: BLE001 - report why a variant could not run (OOM, missing file)
+            logger.warning("end-to-end {} {}: {}", spec, variant, err)
+            runs[variant] = {"note": f"{type(err).__name__}: {err}"}
         on_done()
-    resident, swapped = rows
-    if resident.get("step_ms") and swapped.get("step_ms"):
-        swapped["overhead"] = swapped["step_ms"] / resident["step_ms"] - 1
-        swapped["memory_saved_bytes"] = resident["peak_bytes"] - swapped["peak_bytes"]
-    return rows
+    row = summarize(name, options, runs)
+    logger.info("end to end {}: train step resident {}, overlap off {}, on {} ms; efficiency {}", spec,
+                row.get("resident_train_ms"), row.get("train_off_ms"), row.get("train_on_ms"), row.get("efficiency"))
+    return row, picture

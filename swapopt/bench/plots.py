@@ -81,8 +81,9 @@ def bar_figure(sizes: list[SizeResult], title: str) -> plt.Figure:
     return fig
 
 
-def timeline_chart(spans: list[Span], path: Path, title: str) -> Path:
-    """One row per lane (H2D, update, D2H, host); spans coloured by chunk where known."""
+def timeline_chart(spans: list[Span], path: Path, title: str, marks: list[float] | None = None) -> Path:
+    """One row per lane (H2D, compute, update, D2H, host); spans coloured by chunk where known; ``marks``:
+    times (us) drawn as dashed vertical lines (step starts)."""
     lanes = [lane for lane in LANES if any(s.lane == lane for s in spans)]
     fig, ax = plt.subplots(figsize=(11, 0.8 + 0.7 * max(len(lanes), 1)))
     cmap = plt.get_cmap("tab20")
@@ -91,7 +92,12 @@ def timeline_chart(spans: list[Span], path: Path, title: str) -> Path:
             color = cmap(s.chunk % 20) if s.chunk is not None else "0.6"
             ax.broken_barh([(s.start_us / 1e3, (s.end_us - s.start_us) / 1e3)], (row - 0.35, 0.7),
                            facecolors=color, edgecolor="black", linewidth=0.2)
-    names = {"h2d": "H2D (swap-in)", "compute": "update", "d2h": "D2H (swap-out)", "host": "host"}
+    # Without an "update" lane the optimizer's update runs on the compute stream: that lane is the update.
+    separate = any(s.lane == "update" for s in spans)
+    names = {"h2d": "H2D (swap-in)", "compute": "forward / backward" if separate else "update",
+             "update": "update (own stream)", "d2h": "D2H (swap-out)", "host": "host"}
+    for x in marks or []:
+        ax.axvline(x / 1e3, color="black", linewidth=0.8, linestyle="--")
     ax.set_yticks(range(len(lanes)))
     ax.set_yticklabels([names[lane] for lane in lanes])
     ax.invert_yaxis()

@@ -114,23 +114,49 @@ def targets_table(targets: list[Targets]) -> str:
     return "\n".join(lines)
 
 
-def e2e_table(e2e: list[dict]) -> str:
+def _pct(v: float | None) -> str:
+    return _fmt(None if v is None else 100 * v, ".1f") + ("" if v is None else "%")
+
+
+def _met(v: bool | None) -> str:
+    return "-" if v is None else ("yes" if v else "no")
+
+
+def e2e_table(e2e: list[dict], modeled: bool = False) -> str:
+    """Per engine config: the optimizer step alone (resident, swapped), the train step resident, swapped and
+    swapped with overlap_forward, the forward, and how much of the swap the overlap hid."""
+    tag = " (modeled)" if modeled else ""
     lines = [
-        "| config | params | swap | train step ms | peak device MB | overhead vs resident | note |",
-        "|---|---:|---|---:|---:|---:|---|",
+        f"Times in ms{tag}. Train step = period start to start of consecutive steps, measured over a loop with no "
+        "host sync. Overlap efficiency = (train step off - train step on) / min(swap step, forward) "
+        f"(target >= {100 * 0.9:.0f}%); overhead = train step / resident train step - 1 (target with overlap <= 5%).",
+        "",
+        "| config | params | layers | tokens/step | resident step | swap step | forward | resident train step |"
+        " train step, overlap off | train step, overlap on | hidden | overlap efficiency | overhead off | overhead on |"
+        " forward >= swap step | targets met (eff / overhead) | losses bitwise equal | peak MB resident / swap / overlap |"
+        " note |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|---|---|",
     ]
     for e in e2e:
         params = e.get("params")
+        name = e["config"] + (f" ({', '.join(e['options'])})" if e.get("options") else "")
+        peaks = " / ".join(_mb(e.get(k)) for k in ("peak_resident_bytes", "peak_swap_bytes", "peak_overlap_bytes"))
         lines.append(
-            f"| {e['config']} | {'-' if params is None else f'{params / 1e6:.1f}M'} | {'on' if e['swap'] else 'off'} | "
-            f"{_fmt(e.get('step_ms'), '.2f')} | "
-            f"{_mb(e.get('peak_bytes'))} | "
-            f"{_fmt(e.get('overhead'), '+.1%')} | {e.get('note', '')} |"
+            f"| {name} | {'-' if params is None else f'{params / 1e6:.1f}M'} | {e.get('layers', '-')} | "
+            f"{e.get('tokens', '-')} | "
+            + " | ".join(_fmt(e.get(k), ".2f") for k in ("resident_step_ms", "swap_step_ms", "forward_ms",
+                                                         "resident_train_ms", "train_off_ms", "train_on_ms",
+                                                         "hidden_ms"))
+            + f" | {_pct(e.get('efficiency'))} | {_fmt(e.get('overhead_off'), '+.1%')} | "
+            f"{_fmt(e.get('overhead_on'), '+.1%')} | {_met(e.get('forward_covers_swap'))} | "
+            f"{_met(e.get('efficiency_met'))} / {_met(e.get('overhead_met'))} | {_met(e.get('losses_equal'))} | "
+            f"{peaks} | {e.get('note', '')} |"
         )
     return "\n".join(lines)
 
 
-def markdown(report: Report, chart: str | None = None, timeline: str | None = None) -> str:
+def markdown(report: Report, chart: str | None = None, timeline: str | None = None,
+             e2e_timeline: str | None = None) -> str:
     head = [
         f"# swapopt benchmark: {report.device_name}",
         "",
@@ -148,7 +174,7 @@ def markdown(report: Report, chart: str | None = None, timeline: str | None = No
     if report.sizes:
         parts += ["## Targets", targets_table(report.targets)]
     if report.e2e:
-        parts += ["## End to end (train step)", e2e_table(report.e2e)]
+        parts += ["## End to end (train step)", e2e_table(report.e2e, modeled=report.device == "sim")]
     if report.sizes:
         parts.append("## Step of each strategy")
         parts += [size_table(s) for s in report.sizes]
@@ -158,16 +184,19 @@ def markdown(report: Report, chart: str | None = None, timeline: str | None = No
         parts.append(f"![step time / bound]({chart})")
     if timeline:
         parts.append(f"![one swapopt step]({timeline})")
+    if e2e_timeline:
+        parts.append(f"![two consecutive train steps with overlap_forward]({e2e_timeline})")
     if report.notes:
         parts.append("## Notes\n\n" + "\n".join(f"- {n}" for n in report.notes))
     return "\n\n".join(parts) + "\n"
 
 
-def write(report: Report, out_dir: Path, stem: str, chart: str | None, timeline: str | None) -> tuple[Path, Path]:
+def write(report: Report, out_dir: Path, stem: str, chart: str | None, timeline: str | None,
+          e2e_timeline: str | None = None) -> tuple[Path, Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path, md_path = out_dir / f"{stem}.json", out_dir / f"{stem}.md"
     json_path.write_text(json.dumps(report.model_dump(mode="json"), indent=1))
-    md_path.write_text(markdown(report, chart, timeline))
+    md_path.write_text(markdown(report, chart, timeline, e2e_timeline))
     return json_path, md_path
 
 
@@ -175,7 +204,7 @@ def unique_stem(out_dir: Path, stem: str) -> str:
     """``stem``, or ``stem-2``, ``stem-3``... so that no earlier result (JSON, markdown, chart) is overwritten."""
     def taken(candidate: str) -> bool:
         return any(out_dir.glob(f"{candidate}.*")) or any(out_dir.glob(f"{candidate}-chart.png")) \
-            or any(out_dir.glob(f"{candidate}-timeline.png"))
+            or any(out_dir.glob(f"{candidate}-timeline.png")) or any(out_dir.glob(f"{candidate}-e2e-timeline.png"))
 
     if not taken(stem):
         return stem

@@ -10,7 +10,7 @@ from pydantic import BaseModel
 
 import device
 
-LANES = ("h2d", "compute", "d2h", "host")
+LANES = ("h2d", "compute", "update", "d2h", "host")
 # swapopt's record_function ranges name the chunk: "swapopt.swap_in[3]", "swapopt.update[3]".
 _CHUNK = re.compile(r"\[(\d+)\]|chunk\D{0,3}(\d+)", re.IGNORECASE)
 
@@ -96,3 +96,25 @@ def capture_step(strategy) -> list[Span]:
     if kind == "cuda" and torch.cuda.is_available():
         return _profiler_spans(strategy)
     return []
+
+
+def engine_spans(marks_us: list[float] = ()) -> tuple[list[Span], list[float]]:
+    """The simulator's device spans since its last ``reset_timeline`` (call after a synchronize): copies on
+    their lanes, kernels of the compute stream (forward, backward) on "compute" and kernels of any other
+    stream (the optimizer's update stream under ``overlap_forward``) on "update"; and ``marks_us`` (simulator
+    times, e.g. step starts) on the spans' time axis. Empty off the simulator."""
+    if device.get_device() != "sim":
+        return [], []
+    mod = device.get_torch_device_module()
+    compute = mod.default_stream().name
+    spans = []
+    for op in mod.timeline:
+        if op.end_us <= op.start_us or op.lane == "host":
+            continue
+        lane = op.lane if op.lane != "compute" or op.stream == compute else "update"
+        spans.append(Span(lane=lane, name=op.name, start_us=op.start_us, end_us=op.end_us, chunk=_chunk_of(op.label)))
+    if not spans:
+        return [], []
+    t0 = min([s.start_us for s in spans] + list(marks_us))  # a step starts a launch before its first kernel
+    shifted = [s.model_copy(update={"start_us": s.start_us - t0, "end_us": s.end_us - t0}) for s in spans]
+    return shifted, [m - t0 for m in marks_us]

@@ -69,7 +69,13 @@ class AdamWConfig(SwapConfig):
 
     ``type`` names any ``torch.optim`` optimizer; its constructor gets the keys below that it accepts.
     The swap knobs (``swap_optimizer``, ``swap_optimizer_times``, ``chunk_mb``, ``slots``,
-    ``resident_mb``) are inherited from :class:`swapopt.SwapConfig`.
+    ``resident_mb``, ``overlap_forward``) are inherited from :class:`swapopt.SwapConfig`.
+
+    ``overlap_forward`` (default False; only with ``swap_optimizer=True``): the optimizer's updates run on
+    their own stream, in forward order, and each module's forward waits only for its own params, so the
+    swap step hides under the next forward instead of delaying it. The engine attaches the optimizer to the
+    model (after FSDP2 sharding) and waits for pending updates before checkpoints and offload. Losses and
+    params are bitwise those with it off; it pays off when the forward takes about as long as the swap step.
     """
 
     type: str = "AdamW"
@@ -122,6 +128,8 @@ class TrainConfig(_Strict):
     checkpoint_interval: int = Field(default=0, ge=0)  # steps between DCP saves (0: only at the end)
     resume: Optional[str] = None  # a checkpoint directory (one step) or a checkpoint_dir (latest step)
     metrics_path: Optional[str] = None  # JSONL, one line per step
+    # steps between printed lines; also how often metrics are read from the device (the only host waits of a run
+    # besides checkpoints, rollouts and the end) and written to metrics_path
     log_interval: int = Field(default=10, ge=1)
     device: Literal["auto", "cuda", "npu", "cpu", "sim"] = "auto"
     sim_preset: str = "h100"  # simulator preset when no accelerator is found (or device="sim")

@@ -34,11 +34,17 @@ class ByteBatches:
         self.tokens, self.batch, self.seq_len = tokens, batch, seq_len
         self.seed, self.rank, self.world_size = seed, rank, world_size
 
-    def get(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(inputs, targets), both int64 of shape (batch, seq_len); targets are inputs shifted by one."""
+    def windows(self, step: int, pin_memory: bool = False) -> torch.Tensor:
+        """The batch as one int64 host tensor of shape (batch, seq_len + 1). ``pin_memory``: built in pinned
+        host memory, so that one asynchronous copy moves it and reading it never waits for the device."""
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
         starts = torch.randint(0, self.tokens.numel() - self.seq_len - 1,
-                               (self.world_size * self.batch,), generator=gen)
+                               (self.world_size * self.batch,), generator=gen, pin_memory=pin_memory)
         mine = starts[self.rank * self.batch:(self.rank + 1) * self.batch]
         windows = torch.stack([self.tokens[s:s + self.seq_len + 1] for s in mine.tolist()]).long()
+        return windows.pin_memory() if pin_memory else windows
+
+    def get(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets), both int64 of shape (batch, seq_len); targets are inputs shifted by one."""
+        windows = self.windows(step)
         return windows[:, :-1], windows[:, 1:]

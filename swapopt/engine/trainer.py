@@ -3,6 +3,12 @@
 Swapping is one config key: ``optim.swap_optimizer=True`` makes ``AdamWConfig.build`` wrap the torch optimizer
 in a SwapOptimizer; nothing else in the engine changes, because the wrapper shares ``param_groups`` and
 ``state`` with the optimizer it wraps (LR schedule, grad clipping and DCP work unchanged).
+``optim.overlap_forward=True`` also attaches it to the model, so its updates run under the next forward; the
+engine then orders everything that reads params outside a forward (checkpoints, offload) after the update.
+
+A train step never makes the host wait for the device: its metrics (loss, grad norm, timings, swap traffic) are
+kept as device tensors and events in a :class:`StepMetrics` and read when someone looks at them, which the
+CLI does at the log interval, before checkpoints and on exit.
 """
 
 from __future__ import annotations
@@ -12,10 +18,9 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Callable
-from typing import ContextManager
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, ContextManager
 
 import torch
 import torch.distributed as dist
@@ -66,6 +71,79 @@ def shard_model(model: torch.nn.Module, torch_device: torch.device) -> None:
     fully_shard(model, **kwargs)
 
 
+def _elapsed_ms(start: Any, end: Any) -> float:
+    """Milliseconds between two marks: wall-clock floats on plain CPU, else device events (waits for ``end``)."""
+    if isinstance(start, float):
+        return (end - start) * 1e3
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
+class StepMetrics(Mapping[str, Any]):
+    """The metrics of one finished train step, read lazily.
+
+    Reading the loss or a duration makes the host wait for the device; doing that every step would keep the
+    host from queueing the next step ahead (and, with ``overlap_forward``, from hiding the update under it).
+    So the step keeps device tensors and events here, and the first key lookup (or :meth:`resolve`) turns them
+    into plain numbers, once. ``step`` is known without waiting."""
+
+    def __init__(self, *, step: int, lr: float, loss: torch.Tensor, grad_norm: torch.Tensor | None, start: Any,
+                 forward_end: Any, optim_start: Any, end: Any, mem_peak_bytes: int | None, tokens: int,
+                 swap: tuple[Any, Any, Any] | None) -> None:
+        self.step = step
+        # The compute stream's mark where the step began (an event; the wall clock on plain CPU): start to start
+        # of consecutive steps is the train-step period, however the update overlapped.
+        self.start = start
+        self._pending: dict[str, Any] | None = dict(
+            lr=lr, loss=loss, grad_norm=grad_norm, start=start, forward_end=forward_end, optim_start=optim_start,
+            end=end, mem_peak_bytes=mem_peak_bytes, tokens=tokens, swap=swap)
+        self._values: dict[str, Any] | None = None
+
+    @property
+    def resolved(self) -> bool:
+        return self._values is not None
+
+    def resolve(self) -> dict[str, Any]:
+        """The metrics as a plain dict (a JSONL line); waits for this step's device work the first time."""
+        if self._values is None:
+            p = self._pending
+            step_s = _elapsed_ms(p["start"], p["end"]) / 1e3
+            grad_norm = p["grad_norm"]
+            values: dict[str, Any] = {
+                "step": self.step,
+                "loss": p["loss"].item(),
+                "lr": p["lr"],
+                "grad_norm": None if grad_norm is None else grad_norm.item(),
+                "tokens_per_s": p["tokens"] / step_s,
+                "step_ms": step_s * 1e3,
+                "forward_ms": _elapsed_ms(p["start"], p["forward_end"]),  # with overlap: waits for the update
+                "optim_ms": _elapsed_ms(p["optim_start"], p["end"]),
+                "mem_peak_bytes": p["mem_peak_bytes"],
+            }
+            if p["swap"] is not None:
+                stats, swap_start, swap_end = p["swap"]
+                swap_ms = None if swap_start is None or swap_end is None else _elapsed_ms(swap_start, swap_end)
+                # Rates per direction: H2D and D2H run at once on a full-duplex link, so their sum is no link rate.
+                values.update(swap_bytes=stats.h2d_bytes + stats.d2h_bytes, swap_h2d_bytes=stats.h2d_bytes,
+                              swap_d2h_bytes=stats.d2h_bytes, swap_ms=swap_ms,
+                              h2d_gbps=stats.h2d_bytes / swap_ms / 1e6 if swap_ms else None,
+                              d2h_gbps=stats.d2h_bytes / swap_ms / 1e6 if swap_ms else None)
+            self._values, self._pending = values, None  # drop the device tensors and events
+        return self._values
+
+    def __getitem__(self, key: str) -> Any:
+        return self.resolve()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.resolve())
+
+    def __len__(self) -> int:
+        return len(self.resolve())
+
+    def __repr__(self) -> str:
+        return f"StepMetrics({self._values!r})" if self.resolved else f"StepMetrics(step={self.step}, unresolved)"
+
+
 class TrainEngine:
     def __init__(self, cfg: EngineConfig) -> None:
         self.cfg = cfg
@@ -81,10 +159,18 @@ class TrainEngine:
         self.model = model.train()
         self.optimizer = cfg.optim.build(self.model.parameters())
         self.swapping = isinstance(self.optimizer, SwapOptimizer)
+        self.overlap = self.swapping and cfg.optim.overlap_forward
+        if self.overlap:
+            # Forward pre-hooks make each module wait for its own params' updates only; on FSDP2 they must see
+            # the sharded model, so this comes after fully_shard.
+            self.optimizer.attach(self.model)
+        # Batches are built in pinned host memory on accelerators (and the simulator), so their copy is
+        # asynchronous and building the next one never waits for the device.
+        self._pin_batches = self.device_type != "cpu"
         self.data = ByteBatches(load_tokens(cfg.data.path), tcfg.batch, tcfg.seq_len, tcfg.seed,
                                 self.rank, self.world_size)
         self.step = 0  # completed steps
-        self.last_metrics: dict[str, Any] | None = None  # metrics of step ``self.step``, set with it
+        self.last_metrics: StepMetrics | None = None  # metrics of step ``self.step``, set with it
         # The part of a step that changes params and states runs inside this (the CLI's Ctrl-C guard).
         self.critical: Callable[[], ContextManager[None]] = contextlib.nullcontext
         self.n_params = sum(p.numel() for p in self.model.parameters())  # DTensor numel is the global one
@@ -94,20 +180,13 @@ class TrainEngine:
     # -- one step --------------------------------------------------------------------------------------
     def _mark(self) -> Any:
         """A point on the compute stream: a timing event on accelerators and the simulator (modeled time
-        there), the wall clock on plain CPU. Events keep the device free-running: no synchronize, so the
-        last swap-out still overlaps the next forward."""
+        there), the wall clock on plain CPU. Events keep the device free-running: nothing waits for them
+        until the step's metrics are read."""
         if self.device_type == "cpu":
             return time.perf_counter()
         event = self.device_module.Event(enable_timing=True)
         event.record()
         return event
-
-    @staticmethod
-    def _ms(start: Any, end: Any) -> float:
-        if isinstance(start, float):
-            return (end - start) * 1e3
-        end.synchronize()
-        return start.elapsed_time(end)
 
     def _reset_peak_memory(self) -> None:
         reset = getattr(self.device_module, "reset_peak_memory_stats", None)  # torch.cpu has none
@@ -115,26 +194,48 @@ class TrainEngine:
             reset()
 
     def _peak_memory(self) -> int | None:
+        # The caching allocator counts at launch, on the host: reading it does not wait for the device.
         peak = getattr(self.device_module, "max_memory_allocated", None)
         return int(peak()) if peak is not None else None
 
-    def train_step(self) -> dict[str, Any]:
+    def _swap_record(self) -> tuple[Any, Any, Any] | None:
+        """This step's swap counters and its entry and last swap-out events, read later by StepMetrics.
+        ``swap_stats()`` would wait for that swap-out now; the counters are host numbers and the events are
+        new objects every step, so keeping them defers the wait without mixing steps up."""
+        if not self.swapping:
+            return None
+        operate = self.optimizer.operate
+        return self.optimizer._stats.model_copy(), operate._start, operate._end
+
+    def _batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        windows = self.data.windows(self.step, pin_memory=self._pin_batches)
+        windows = windows.to(self.torch_device, non_blocking=self._pin_batches)
+        return windows[:, :-1], windows[:, 1:]
+
+    def train_step(self) -> StepMetrics:
+        """One step: forward, backward, clipping, optimizer step. Queues the work and returns without waiting
+        for the device; the returned metrics are read lazily (see StepMetrics)."""
         tcfg = self.cfg.train
         lr = lr_at(self.step, tcfg.steps, self.cfg.optim.lr, self.cfg.lr)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        inputs, targets = (t.to(self.torch_device) for t in self.data.get(self.step))
+        inputs, targets = self._batch()
         self._reset_peak_memory()
 
         start = self._mark()
         logits = logits_of(self.model(inputs))
         loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        forward_end = self._mark()
         loss.backward()
         grad_norm = None
         if tcfg.grad_clip is not None:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), tcfg.grad_clip)
             if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor
                 grad_norm = grad_norm.full_tensor()
+        loss = loss.detach()
+        if self.world_size > 1:  # queued now, in the same order on every rank; read later
+            dist.all_reduce(loss)
+            loss = loss / self.world_size
         # The step, its counter and its metrics are one unit: a Ctrl-C held during the optimizer step is raised
         # only once ``last_metrics`` describes the step just counted, so the line for it can always be written.
         with self.critical():
@@ -143,34 +244,18 @@ class TrainEngine:
             self.optimizer.zero_grad(set_to_none=True)
             end = self._mark()
             self.step += 1
-            self.last_metrics = self._metrics(lr, loss.detach(), grad_norm, start, optim_start, end)
+            self.last_metrics = StepMetrics(
+                step=self.step, lr=lr, loss=loss, grad_norm=grad_norm, start=start, forward_end=forward_end,
+                optim_start=optim_start,
+                end=end, mem_peak_bytes=self._peak_memory(), swap=self._swap_record(),
+                tokens=self.world_size * tcfg.batch * tcfg.seq_len)
         return self.last_metrics
 
-    def _metrics(self, lr: float, loss: torch.Tensor, grad_norm: torch.Tensor | None, start: Any,
-                 optim_start: Any, end: Any) -> dict[str, Any]:
-        tcfg = self.cfg.train
-        if self.world_size > 1:
-            dist.all_reduce(loss)
-            loss = loss / self.world_size
-        step_s = self._ms(start, end) / 1e3
-        metrics: dict[str, Any] = {
-            "step": self.step,
-            "loss": loss.item(),
-            "lr": lr,
-            "grad_norm": None if grad_norm is None else grad_norm.item(),
-            "tokens_per_s": self.world_size * tcfg.batch * tcfg.seq_len / step_s,
-            "step_ms": step_s * 1e3,
-            "optim_ms": self._ms(optim_start, end),
-            "mem_peak_bytes": self._peak_memory(),
-        }
-        if self.swapping:
-            stats = self.optimizer.swap_stats()
-            # Rates per direction: H2D and D2H run at once on a full-duplex link, so their sum is no link rate.
-            metrics.update(swap_bytes=stats.h2d_bytes + stats.d2h_bytes, swap_h2d_bytes=stats.h2d_bytes,
-                           swap_d2h_bytes=stats.d2h_bytes, swap_ms=stats.step_ms,
-                           h2d_gbps=stats.h2d_bytes / stats.step_ms / 1e6 if stats.step_ms else None,
-                           d2h_gbps=stats.d2h_bytes / stats.step_ms / 1e6 if stats.step_ms else None)
-        return metrics
+    def wait_for_update(self) -> None:
+        """Order the current stream after pending optimizer updates (``overlap_forward``): call before reading
+        params outside a forward. A no-op otherwise."""
+        if self.overlap:
+            self.optimizer.wait_for_update()
 
     # -- checkpoints ------------------------------------------------------------------------------------
     def _barrier(self) -> None:
@@ -187,6 +272,7 @@ class TrainEngine:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         self._barrier()
+        self.wait_for_update()  # the saved params are those after the last step
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp), no_dist=self.world_size == 1)
         self._barrier()
@@ -202,6 +288,7 @@ class TrainEngine:
     def load_checkpoint(self, path: str | Path) -> Path:
         path = resolve_checkpoint(path)
         meta = json.loads((path / META).read_text())
+        self.wait_for_update()  # loading overwrites params a pending update still writes
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         state = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, checkpoint_id=str(path), no_dist=self.world_size == 1)
@@ -215,6 +302,7 @@ class TrainEngine:
     def offload_optimizer(self, empty_cache: bool = True) -> None:
         """Give the device to another phase: a SwapOptimizer only drains copies and frees staging (its states
         already live on the host); a plain optimizer's states are moved to the host."""
+        self.wait_for_update()  # the other phase reads the params (a rollout generates with them)
         if self.swapping:
             swapopt.offload(self.optimizer, empty_cache=empty_cache)
         else:
@@ -239,5 +327,6 @@ class TrainEngine:
         return {"step": self.step, "rollout_buffer_mb": buffer_mb, "rollout_mem_peak_bytes": peak}
 
     def close(self) -> None:
+        self.wait_for_update()
         if self.swapping:
             swapopt.offload(self.optimizer)
