@@ -312,6 +312,11 @@ class SwapOptimizerOperate:
         self.wait_for_swap_out()
         self._drop()
 
+    def last_step_events(self) -> tuple[Any, Any]:
+        """(entry, last swap-out) events of the last finished step, (None, None) before one: their
+        ``elapsed_time`` is ``step_ms()`` without waiting now. Each step records new event objects."""
+        return self._start, self._end
+
     def step_ms(self) -> float | None:
         """Modeled/measured time of the last step, entry to last swap-out (waits for that swap-out)."""
         if self._start is None or self._end is None:

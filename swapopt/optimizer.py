@@ -243,11 +243,13 @@ class SwapOptimizer(torch.optim.Optimizer):
         """Forget cached host layouts and the plan (call after replacing state tensors by hand)."""
         self._layout.invalidate()
 
-    def swap_stats(self) -> SwapStats:
-        """Counters of the last successful step (step_ms waits for its last swap-out); ``failed`` and
-        ``last_error`` say whether the step after it raised."""
+    def swap_stats(self, wait: bool = True) -> SwapStats:
+        """Counters of the last successful step; ``failed`` and ``last_error`` say whether the step after it
+        raised. ``step_ms`` makes the host wait for the step's last swap-out (which, with overlap_forward,
+        comes after its last update); ``wait=False`` leaves it None and never waits: read it later from
+        ``operate.last_step_events()``."""
         stats = self._stats.model_copy()
-        if stats.steps:
+        if stats.steps and wait:
             stats.step_ms = self.operate.step_ms()
         return stats
 

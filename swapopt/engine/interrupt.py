@@ -9,7 +9,8 @@ Python runs signal handlers only between bytecodes, so one long aten op (a 100-G
 would delay the exit by as long. A watchdog thread learns of the signal through ``signal.set_wakeup_fd``
 (written at C level, whatever the main thread does); when the main thread has not caught the interrupt
 (``acknowledge()``) within ``grace_s``, it calls ``on_stuck`` and ends the process. That is safe for data: checkpoints are
-renamed into place whole and the metrics file is flushed after every finished step.
+renamed into place whole, and the metrics file is flushed before every checkpoint (and at the log interval),
+so each checkpoint finds the lines of exactly the steps it holds.
 """
 
 from __future__ import annotations

@@ -204,8 +204,7 @@ class TrainEngine:
         new objects every step, so keeping them defers the wait without mixing steps up."""
         if not self.swapping:
             return None
-        operate = self.optimizer.operate
-        return self.optimizer._stats.model_copy(), operate._start, operate._end
+        return (self.optimizer.swap_stats(wait=False), *self.optimizer.operate.last_step_events())
 
     def _batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         windows = self.data.windows(self.step, pin_memory=self._pin_batches)
