@@ -194,13 +194,15 @@ def test_e2e_summary_derives_hidden_time_efficiency_and_overheads():
     base = {"params": 1000, "layers": 2, "tokens": 64, "losses": [2.0, 1.5], "peak_bytes": 10}
     runs = {
         "resident": {**base, "train_step_ms": 10.0, "forward_ms": 4.0, "optim_ms": 1.0},
-        "swap": {**base, "train_step_ms": 16.0, "forward_ms": 4.0, "optim_ms": 0.5, "swap_ms": 6.0},
+        # without overlap 1 ms of the 6 ms swap step already runs under the next forward (the last swap-out)
+        "swap": {**base, "train_step_ms": 15.0, "forward_ms": 4.0, "optim_ms": 0.5, "swap_ms": 6.0},
         "overlap": {**base, "train_step_ms": 12.5, "forward_ms": 5.0, "optim_ms": 0.2, "swap_ms": 6.0},
     }
     row = summarize("cfg", ["train.batch=2"], runs)
+    # hidden = swap step - what the train step still pays for it (12.5 - 10), not off - on (2.5)
     assert row["hidden_ms"] == pytest.approx(3.5)
     assert row["efficiency"] == pytest.approx(3.5 / 4.0)  # the forward (4 ms) is the smaller window
-    assert row["overhead_off"] == pytest.approx(0.6) and row["overhead_on"] == pytest.approx(0.25)
+    assert row["overhead_off"] == pytest.approx(0.5) and row["overhead_on"] == pytest.approx(0.25)
     assert (row["resident_step_ms"], row["swap_step_ms"], row["forward_ms"]) == (1.0, 6.0, 4.0)
     assert row["forward_covers_swap"] is False
     assert row["efficiency_met"] is False and row["overhead_met"] is False and row["losses_equal"] is True

@@ -8,8 +8,10 @@ every update once, whether it ran on the compute stream (overlap off) or under t
 forward of each timed step waits for the update before it).
 Forward time, the optimizer step alone and peak memory come from the same steps' metrics, read afterwards.
 
-overlap efficiency = hidden swap time / min(swap step, forward time), where hidden swap time = train step
-with overlap off - train step with overlap on: the share of what overlapping could hide that it did hide.
+overlap efficiency = hidden swap time / min(swap step, forward time), where hidden swap time = swap step -
+(train step with overlap on - resident train step): the part of the optimizer's swap step that the train step
+does not pay for, over the most of it that a forward could hide. Train step off - on would miss what is hidden
+without overlap too (the last swap-out always runs under the next forward).
 """
 
 from __future__ import annotations
@@ -133,8 +135,8 @@ def summarize(config: str, options: list[str], runs: dict[str, dict]) -> dict:
     )
     notes = [f"{v}: {runs[v]['note']}" for v in VARIANTS if "note" in runs.get(v, {})]
     off, on, base = row["train_off_ms"], row["train_on_ms"], row["resident_train_ms"]
-    if off is not None and on is not None:
-        row["hidden_ms"] = off - on
+    if on is not None and base is not None and row["swap_step_ms"] is not None:
+        row["hidden_ms"] = min(max(row["swap_step_ms"] - (on - base), 0.0), row["swap_step_ms"])
         window = min(x for x in (row["swap_step_ms"], row["forward_ms"]) if x is not None) \
             if (row["swap_step_ms"] is not None or row["forward_ms"] is not None) else None
         row["efficiency"] = row["hidden_ms"] / window if window else None

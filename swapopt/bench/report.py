@@ -128,7 +128,8 @@ def e2e_table(e2e: list[dict], modeled: bool = False) -> str:
     tag = " (modeled)" if modeled else ""
     lines = [
         f"Times in ms{tag}. Train step = period start to start of consecutive steps, measured over a loop with no "
-        "host sync. Overlap efficiency = (train step off - train step on) / min(swap step, forward) "
+        "host sync. Overlap efficiency = hidden / min(swap step, forward), hidden = swap step - (train step on - resident "
+        "train step) "
         f"(target >= {100 * 0.9:.0f}%); overhead = train step / resident train step - 1 (target with overlap <= 5%).",
         "",
         "| config | params | layers | tokens/step | resident step | swap step | forward | resident train step |"
