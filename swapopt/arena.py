@@ -22,7 +22,7 @@ from swapopt import hoststate
 
 
 def itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 @dataclass(eq=False)
