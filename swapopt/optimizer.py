@@ -140,7 +140,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         self.state = optimizer.state
         self.defaults = optimizer.defaults
         self.operate = SwapOptimizerOperate(slots)
-        self._step_fn = internals.raw_step(optimizer)  # Note [raw step]; tests may replace it
+        self._step_fn = internals.raw_step(optimizer)  # Note [raw step]; one attribute, so fault injection can wrap it
         self._layout = HostLayout(self)  # host states, arenas and the plan (swapopt.layout)
         self._stats = SwapStats()
         self._warned: set[str] = set()
