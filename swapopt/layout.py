@@ -8,6 +8,7 @@ which params stay resident, and which may be split across chunks.
 
 from __future__ import annotations
 
+import weakref
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -84,7 +85,9 @@ class HostLayout:
     """
 
     def __init__(self, opt: Any) -> None:
-        self.opt = opt
+        # A weak reference: opt owns this layout, and a cycle would keep the wrapper, its params and
+        # their device memory alive until a garbage collection runs.
+        self._opt = weakref.ref(opt)
         self.elementwise = perparam.is_elementwise(type(opt.optimizer))
         self.pre_hosts: dict[torch.Tensor, dict[str, torch.Tensor]] = {}  # see preallocate
         self.arenas = Arenas()  # pinned buffers holding states in chunk order (swapopt.arena)
@@ -95,6 +98,10 @@ class HostLayout:
         self.resident: set[torch.Tensor] = set()  # params whose states live on the device (resident_mb)
         self.probe_cache: dict[tuple, int] = {}
         self.version = 0  # bumped whenever cached host layouts change
+
+    @property
+    def opt(self) -> Any:
+        return self._opt()
 
     @property
     def state(self) -> Any:

@@ -150,3 +150,24 @@ def test_loaded_states_in_arenas_save_at_their_own_size(sim, tmp_path):
     written = sum(f.stat().st_size for f in tmp_path.glob("*.distcp"))
     half = state_bytes // 2
     assert half <= written < half * 1.5 + 64 * 1024
+
+
+def test_wrapper_is_freed_without_a_garbage_collection(sim):
+    """No reference cycle through the layout or the step: dropping the optimizer frees its states (and
+    a model's device memory with it) at once, not at the next gc run."""
+    import gc
+    import weakref
+
+    params = _params()
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt = SwapOptimizer(_build("adamw", params), swap_optimizer_times=K)
+    opt.step()
+    opt.wait_for_swap_out()
+    gone = weakref.ref(opt)
+    gc.disable()
+    try:
+        del opt
+        assert gone() is None
+    finally:
+        gc.enable()
