@@ -22,7 +22,7 @@ from swapopt import hoststate
 
 
 def itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 @dataclass(eq=False)
@@ -62,7 +62,7 @@ class Arenas:
         if not isinstance(value, torch.Tensor):
             return value
         loc = hoststate.local(value)
-        where = self._locate(loc)
+        where = self.locate(loc)
         if where is None or loc.numel() == 0:
             return value
         base, offset = where
@@ -81,7 +81,7 @@ class Arenas:
     def __len__(self) -> int:
         return len(self._bases)
 
-    def _locate(self, host: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+    def locate(self, host: torch.Tensor) -> tuple[torch.Tensor, int] | None:
         """(arena base, byte offset) of a host view into an arena; None for any other tensor."""
         ptr = host.untyped_storage().data_ptr()
         base = self._bases.get(ptr)
@@ -93,7 +93,7 @@ class Arenas:
         """``host`` starts in the same arena right where ``prev`` ends (both host-local, dense)."""
         if prev is None or host is None:
             return False
-        a, b = self._locate(prev), self._locate(host)
+        a, b = self.locate(prev), self.locate(host)
         if a is None or b is None or a[0] is not b[0]:
             return False
         return a[1] + prev.numel() * prev.element_size() == b[1]
@@ -112,7 +112,7 @@ class Arenas:
         for i, r in enumerate(regions):
             if r.host is None or r.nbytes == 0:
                 continue
-            where = self._locate(r.host)
+            where = self.locate(r.host)
             if where is None:
                 close()
                 cur = []

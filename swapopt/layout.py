@@ -8,6 +8,7 @@ which params stay resident, and which may be split across chunks.
 
 from __future__ import annotations
 
+import weakref
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -84,16 +85,23 @@ class HostLayout:
     """
 
     def __init__(self, opt: Any) -> None:
-        self.opt = opt
+        # A weak reference: opt owns this layout, and a cycle would keep the wrapper, its params and
+        # their device memory alive until a garbage collection runs.
+        self._opt = weakref.ref(opt)
         self.elementwise = perparam.is_elementwise(type(opt.optimizer))
         self.pre_hosts: dict[torch.Tensor, dict[str, torch.Tensor]] = {}  # see preallocate
         self.arenas = Arenas()  # pinned buffers holding states in chunk order (swapopt.arena)
         self.split_cache: dict[torch.Tensor, tuple] = {}  # see splittable
         self.host: dict[torch.Tensor, Host] = {}
         self.prepared: Prepared | None = None
+        self.plan_cache: tuple[tuple, Plan] | None = None  # (sizes and settings, the plan made from them)
         self.resident: set[torch.Tensor] = set()  # params whose states live on the device (resident_mb)
         self.probe_cache: dict[tuple, int] = {}
         self.version = 0  # bumped whenever cached host layouts change
+
+    @property
+    def opt(self) -> Any:
+        return self._opt()
 
     @property
     def state(self) -> Any:
@@ -241,13 +249,17 @@ class HostLayout:
                 regions += 1
             sizes.append(ParamSize(i, local(p).numel(), nbytes, flat[i], regions))
         chunk_bytes = None if self.opt.chunk_mb is None else int(self.opt.chunk_mb * MiB)
-        plan = make_plan(
-            sizes,
-            times=self.opt.swap_optimizer_times,
-            chunk_bytes=chunk_bytes,
-            resident_bytes=int(self.opt.resident_mb * MiB),
-            align=DEFAULT_ALIGN,
-        )
+        settings = (self.opt.swap_optimizer_times, chunk_bytes, int(self.opt.resident_mb * MiB), DEFAULT_ALIGN)
+        plan_key = (tuple(sizes), settings)
+        if self.plan_cache is not None and self.plan_cache[0] == plan_key:
+            # the probe gave the exact sizes: the states the first step created change nothing
+            plan = self.plan_cache[1]
+        else:
+            times, chunk_bytes, resident_bytes, align = settings
+            plan = make_plan(
+                sizes, times=times, chunk_bytes=chunk_bytes, resident_bytes=resident_bytes, align=align
+            )
+            self.plan_cache = (plan_key, plan)
         # A splittable param the plan left whole is stepped as itself, with states shaped like it: no
         # per-step flat views of it or its grad (DTensor and gathered ones keep the flat path).
         pieces_of = Counter(pc.index for c in plan.chunks for pc in c.pieces)
@@ -261,6 +273,7 @@ class HostLayout:
         for i in range(len(params)):  # a param that left the resident set goes back to the host
             if i not in plan.resident and params[i] not in self.host and self.state.get(params[i]):
                 self.cache_host(params[i], quiet=True)
+        self.relayout(plan, params, flat)
         regions = [self.regions(chunk.pieces, params, flat, gather) for chunk in plan.chunks]
         slot_bytes = max((r[-1].offset + r[-1].nbytes for r in regions if r), default=0)
         last_chunk = {params[i]: k for i, k in plan.last_chunk.items()}
@@ -280,6 +293,75 @@ class HostLayout:
             len(params), len(plan.chunks), plan.budget / MiB, slot_bytes / MiB, len(resident), sum(map(len, runs)),
         )  # fmt: skip
         return self.prepared
+
+    def relayout(self, plan: Plan, params: list[torch.Tensor], flat: list[bool]) -> None:
+        """Host states that exist before they are first swapped (loaded by load_state_dict, built by the
+        optimizer's constructor, adopted at wrap time) or that an earlier plan placed for other chunks
+        move into one pinned arena per chunk, in region order, so each chunk moves in one copy each way
+        (swapopt.arena). Costs one host-side copy per state, only when the plan changes.
+
+        Whole params only: a state of a param split across chunks is one tensor whose pieces lie in two
+        chunks, so it cannot sit inside both chunks' runs; those keep a copy per piece."""
+        moves: list[list[tuple[torch.Tensor, str, torch.Tensor]]] = []
+        for chunk in plan.chunks:
+            want: list[tuple[torch.Tensor, str, torch.Tensor]] = []
+            for piece in chunk.pieces:
+                p = params[piece.index]
+                entry = self.host.get(p)
+                if flat[piece.index] or entry is None:
+                    continue
+                for key, stored, loc in zip(entry.keys, entry.stored, entry.locals):
+                    if loc.numel() and hoststate.is_dense(loc):
+                        want.append((p, key, stored))
+            if not self.packed([local(s) for _, _, s in want]):
+                moves.append(want)
+        if not moves:
+            return
+        self.opt.operate.wait_for_swap_out()  # the last step's swap-outs still write these states
+        nstates = nbytes = 0
+        while moves:  # chunk by chunk, so the old copies are let go of as the new ones are filled
+            want = moves.pop(0)
+            placed: list[tuple[torch.Tensor, str, torch.Tensor, int]] = []
+            end = 0
+            for p, key, stored in want:
+                loc = local(stored)
+                if end % loc.element_size():  # packed without padding: a misaligned dtype starts a new arena
+                    self.move(placed, end)
+                    placed, end = [], 0
+                placed.append((p, key, stored, end))
+                end += loc.numel() * loc.element_size()
+            self.move(placed, end)
+            nstates += len(want)
+            nbytes += sum(hoststate.state_nbytes(s) for _, _, s in want)
+        logger.debug(
+            "swapopt: re-layout of {} host states ({:.2f} MiB) into chunk-ordered arenas, one host copy each",
+            nstates, nbytes / MiB,
+        )  # fmt: skip
+
+    def packed(self, states: list[torch.Tensor]) -> bool:
+        """``states`` (host-local, in region order) already follow each other in arenas: adjacent, or a
+        misaligned dtype starting the next arena, as relayout and preallocate pack them."""
+        for prev, cur in zip(states, states[1:]):
+            if self.arenas.adjacent(prev, cur):
+                continue
+            where, before = self.arenas.locate(cur), self.arenas.locate(prev)
+            if where is None or before is None or where[1] != 0:
+                return False
+            if (before[1] + prev.numel() * prev.element_size()) % cur.element_size() == 0:
+                return False
+        return all(self.arenas.locate(s) is not None for s in states[:1])
+
+    def move(self, placed: list[tuple[torch.Tensor, str, torch.Tensor, int]], nbytes: int) -> None:
+        """Copy the ``placed`` states into one new arena at their offsets; opt.state points at the copies."""
+        if not placed:
+            return
+        base = self.arenas.allocate(nbytes)
+        for p, key, stored, offset in placed:
+            new = self.arenas.place(base, offset, stored, local(stored).dtype)
+            local(new).copy_(local(stored))
+            self.state[p][key] = new
+        for p in dict.fromkeys(p for p, _, _, _ in placed):
+            self.cache_host(p, quiet=True)
 
     def probe(self, p: torch.Tensor, gi: int) -> tuple[int, tuple] | None:
         loc = local(p)

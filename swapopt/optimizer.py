@@ -151,7 +151,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         self.operate = SwapOptimizerOperate(slots, overlap=bool(overlap_forward))
         self._forward_waits = ForwardWaits(self.operate)
         self._hyper: dict[int, dict[str, Any]] = {}  # per group: step-time copies of tensor hyperparameters
-        self._step_fn = internals.raw_step(optimizer)  # Note [raw step]; tests may replace it
+        self._step_fn = internals.raw_step(optimizer)  # Note [raw step]; one attribute, so fault injection can wrap it
         self._layout = HostLayout(self)  # host states, arenas and the plan (swapopt.layout)
         self._stats = SwapStats()
         self._warned: set[str] = set()

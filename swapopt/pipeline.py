@@ -26,6 +26,7 @@ import torch
 
 import device
 from swapopt import hoststate, internals, recovery
+from swapopt.arena import itemsize
 from swapopt.hoststate import is_swapped_state, local, new_host_like, wrap_like
 from swapopt.layout import GRAD, Prepared, Region
 
@@ -90,6 +91,7 @@ class StepRun:
         self.progress: dict[str, Any] = {"stage": ("done", -1)}
         self.h2d = 0
         self.d2h = 0
+        self.typed: dict[tuple[int, torch.dtype], torch.Tensor] = {}  # see region_view
 
     def run(self) -> None:
         op, prep = self.op, self.prep
@@ -108,9 +110,11 @@ class StepRun:
                     self.views[k + lookahead] = self.swap_in(k + lookahead)
                 self.update_and_swap_out(k)
                 self.views[k] = None
+            self.typed.clear()  # the staging goes back to the allocator with finish()
             op.finish(prep.last_chunk, prep.resident)  # stage 5
         except BaseException as exc:  # Note [failure semantics]
             self.views.clear()
+            self.typed.clear()
             recovery.recover(self)
             self.pending.clear()
             self.progress.clear()
@@ -121,15 +125,24 @@ class StepRun:
 
     # ----- stage 1: swap-in ---------------------------------------------------------------------
     def region_view(self, r: Region, slot: torch.Tensor | None) -> torch.Tensor:
-        """The slot memory of region r, typed and laid out like the host tensor it mirrors."""
+        """The slot memory of region r, typed and laid out like the host tensor it mirrors: one view op
+        on a typed view of the whole slot, made once per (slot, dtype) and step (staging is freed after
+        every step, so slot views cannot outlive it)."""
         if slot is None or r.nbytes == 0:  # nothing to stage (zero-element states): an empty tensor
             shape = r.shape if r.shape is not None else (0,)
             stride = r.stride if r.stride is not None else (1,)
             return torch.empty_strided(shape, stride, dtype=r.dtype, device=device.torch_device(self.opt._device))
-        v = slot[r.offset : r.offset + r.nbytes].view(r.dtype)
-        if r.shape is not None:
-            v = v.as_strided(r.shape, r.stride)
-        return v
+        size = itemsize(r.dtype)
+        if r.offset % size:  # never with the plan's alignment; kept exact anyway
+            v = slot[r.offset : r.offset + r.nbytes].view(r.dtype)
+            return v.as_strided(r.shape, r.stride) if r.shape is not None else v
+        key = (slot.data_ptr(), r.dtype)
+        typed = self.typed.get(key)
+        if typed is None:
+            typed = self.typed[key] = slot[: slot.numel() - slot.numel() % size].view(r.dtype)
+        if r.shape is None:
+            return typed.as_strided((r.nbytes // size,), (1,), r.offset // size)
+        return typed.as_strided(r.shape, r.stride, r.offset // size)
 
     def swap_in(self, k: int) -> ChunkViews:
         """Per piece of chunk k: {key: (value the optimizer sees, slot view, host view the swap-out

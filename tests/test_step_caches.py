@@ -1,0 +1,173 @@
+"""Structural facts behind host work that grows with chunks: states that exist before the first swapped
+step (loaded by load_state_dict, built by the optimizer's constructor) are laid out in chunk order, so
+each chunk moves in one H2D and one D2H copy from that step on; the plan is made once; nothing is pinned
+after the first step; loaded states saved by torch.save and DCP take their own bytes only."""
+
+from __future__ import annotations
+
+import collections
+import copy
+import io
+
+import pytest
+import torch
+
+import device
+import swapopt.layout as swap_layout
+from swapopt import SwapOptimizer
+from swapopt.bench.counts import count_call
+from swapopt.hoststate import local
+
+N, NUMEL, K = 40, 96, 4
+KEYS = {"adamw": ("exp_avg", "exp_avg_sq"), "adagrad": ("sum",)}
+
+
+def _build(kind: str, params):
+    if kind == "adamw":
+        return torch.optim.AdamW(params, lr=1e-2, fused=True)
+    return torch.optim.Adagrad(params, lr=1e-2, initial_accumulator_value=0.1, foreach=True)
+
+
+def _params(seed: int = 0):
+    torch.manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(NUMEL)) for _ in range(N)]
+
+
+def _grads(params, ref, step):
+    g = torch.Generator().manual_seed(100 + step)
+    for p, q in zip(params, ref):
+        p.grad = torch.randn(NUMEL, generator=g)
+        q.grad = p.grad.clone()
+
+
+def _copies(sim) -> collections.Counter:
+    return collections.Counter(op.lane for op in sim.timeline)
+
+
+def _loaded(kind: str):
+    """A swapped optimizer resumed from a checkpoint of an unwrapped one stepped twice, and the unwrapped
+    one (the reference)."""
+    ref = _params()
+    ref_opt = _build(kind, ref)
+    for step in range(2):
+        for q in ref:
+            q.grad = torch.randn(NUMEL, generator=torch.Generator().manual_seed(step))
+        ref_opt.step()
+    sd = copy.deepcopy(ref_opt.state_dict())  # as read from a file: no tensor shared with ref_opt
+    params = [torch.nn.Parameter(q.detach().clone()) for q in ref]
+    opt = SwapOptimizer(_build(kind, params), swap_optimizer_times=K)
+    opt.load_state_dict(sd)
+    return params, opt, ref, ref_opt
+
+
+@pytest.mark.parametrize("kind", ["adamw", "adagrad"])
+def test_states_present_before_the_first_step_move_in_one_copy_per_chunk(sim, kind, monkeypatch):
+    plans = collections.Counter()
+    real_plan = swap_layout.make_plan
+    monkeypatch.setattr(swap_layout, "make_plan", lambda *a, **k: plans.update(["n"]) or real_plan(*a, **k))
+    if kind == "adamw":  # checkpoint-loaded states
+        params, opt, ref, ref_opt = _loaded(kind)
+    else:  # Adagrad builds its states in __init__: adopted at wrap time
+        params = _params()
+        ref = [torch.nn.Parameter(p.detach().clone()) for p in params]
+        opt = SwapOptimizer(_build(kind, params), swap_optimizer_times=K)
+        ref_opt = _build(kind, ref)
+    pinned = []
+    real_pinned = device.pinned_empty
+    monkeypatch.setattr(device, "pinned_empty", lambda *a, **k: pinned.append(a) or real_pinned(*a, **k))
+    plan = None
+    for step in range(4):
+        _grads(params, ref, step)
+        if step == 1:
+            pinned_after_first = len(pinned)
+        sim.reset_timeline()
+        opt.step()
+        ref_opt.step()
+        lanes = _copies(sim)
+        assert opt.swap_stats().chunks == K
+        # from the very first swapped step: one copy per chunk each way
+        assert lanes["h2d"] == K and lanes["d2h"] == K, (step, lanes)
+        if plan is None:
+            plan = opt._layout.prepared.plan
+        assert opt._layout.prepared.plan is plan  # planned once, never again
+    assert plans["n"] == 1
+    assert len(pinned) == pinned_after_first  # nothing pinned after the first step
+    opt.wait_for_swap_out()
+    for p, q in zip(params, ref):
+        assert torch.equal(p, q)
+        for key in KEYS[kind]:
+            state = opt.state[p][key]
+            assert torch.equal(state, ref_opt.state[q][key])
+            assert device.is_host_tensor(state) and opt._layout.arenas.locate(local(state)) is not None
+            assert state.stride() == q.stride()
+    # the arenas hold the states and nothing else: pinned bytes == state bytes
+    arena_bytes = sum(base.numel() for base in opt._layout.arenas._bases.values())
+    assert arena_bytes == sum(opt.state[p][k].nbytes for p in params for k in KEYS[kind])
+
+
+def test_first_step_plan_is_the_steady_one_and_views_are_one_per_state(sim, monkeypatch):
+    """A fresh AdamW: the probe's sizes are exact, so the states the first step creates do not re-plan;
+    a steady step costs one view per state and a bounded number of ops per chunk."""
+    plans = collections.Counter()
+    real_plan = swap_layout.make_plan
+    monkeypatch.setattr(swap_layout, "make_plan", lambda *a, **k: plans.update(["n"]) or real_plan(*a, **k))
+    params = _params()
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = SwapOptimizer(_build("adamw", params), swap_optimizer_times=K)
+    plan = None
+    for step in range(3):
+        _grads(params, ref, step)
+        opt.step()
+        plan = plan or opt._layout.prepared.plan
+        assert opt._layout.prepared.plan is plan
+    assert plans["n"] == 1
+    _grads(params, ref, 3)
+    counts = count_call(opt.step)
+    assert counts.h2d_copies == K and counts.d2h_copies == K
+    # per state one view of the slot; the rest (slot allocation, typed slot views, the fused kernel,
+    # step-count snapshot, events) is per chunk
+    states = 2 * N
+    assert counts.aten_ops <= states + 12 * K, counts
+
+
+def test_loaded_states_in_arenas_save_at_their_own_size(sim, tmp_path):
+    params, opt, ref, ref_opt = _loaded("adamw")
+    _grads(params, ref, 0)
+    opt.step()
+    opt.wait_for_swap_out()
+    storages = {opt.state[p][k].untyped_storage().data_ptr() for p in params for k in KEYS["adamw"]}
+    assert len(storages) <= K  # moved into the chunks' arenas
+    sd = opt.state_dict()
+    exp_avg = [st["exp_avg"] for st in sd["state"].values()]
+    assert all(v.untyped_storage().nbytes() == v.nbytes for v in exp_avg)
+    state_bytes = sum(v.nbytes for st in sd["state"].values() for k, v in st.items() if k in KEYS["adamw"])
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    assert state_bytes <= buf.tell() < state_bytes * 1.1 + 64 * 1024
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"optim": {str(i): v for i, v in enumerate(exp_avg)}}, checkpoint_id=tmp_path)
+    written = sum(f.stat().st_size for f in tmp_path.glob("*.distcp"))
+    half = state_bytes // 2
+    assert half <= written < half * 1.5 + 64 * 1024
+
+
+def test_wrapper_is_freed_without_a_garbage_collection(sim):
+    """No reference cycle through the layout or the step: dropping the optimizer frees its states (and
+    a model's device memory with it) at once, not at the next gc run."""
+    import gc
+    import weakref
+
+    params = _params()
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt = SwapOptimizer(_build("adamw", params), swap_optimizer_times=K)
+    opt.step()
+    opt.wait_for_swap_out()
+    gone = weakref.ref(opt)
+    gc.disable()
+    try:
+        del opt
+        assert gone() is None
+    finally:
+        gc.enable()
