@@ -57,10 +57,16 @@ def keep_new_states(opt: Any, chunk_state: dict) -> None:
 def run_inner(opt: Any, chunk_groups: dict[int, list[torch.Tensor]], chunk_state: Any, kwargs: dict) -> None:
     """One inner step over the given params and state; the shared groups and state are restored after.
     The step sees copies of the groups: a write to a group-level value would be lost, so it raises."""
-    inner = opt.optimizer
     order = sorted(chunk_groups)
     hyper = opt._hyper  # step-time copies of tensor hyperparameters (overlap_forward), else empty
     groups = [dict(opt.param_groups[gi], params=chunk_groups[gi], **hyper.get(gi, {})) for gi in order]
+    run_groups(opt, order, groups, chunk_state, kwargs)
+
+
+def run_groups(opt: Any, order: list[int], groups: list[dict], chunk_state: Any, kwargs: dict) -> None:
+    """run_inner over ready copies ``groups`` of the param groups ``order`` (current hyperparameters)."""
+    inner = opt.optimizer
+    hyper = opt._hyper
     with internals.stepping_subset(inner, groups, chunk_state):
         opt._step_fn(inner, **kwargs)
     for gi, copy in zip(order, groups):
@@ -73,6 +79,59 @@ def run_inner(opt: Any, chunk_groups: dict[int, list[torch.Tensor]], chunk_state
                     "norm over all params) would be lost or wrong; such an optimizer is not per-param and "
                     "cannot be swapped"
                 )
+
+
+class ChunkInputs:
+    """What the inner optimizer is handed for one chunk, built once per plan (kept on the Prepared) and
+    reused every step while the plan holds: the tensor stepped for each piece (the param itself when it
+    is not split, else a flat view of its range), and copies of the chunk's param groups over those
+    tensors. Per step only the flat pieces' grads are bound and the groups' other values refreshed (a
+    scheduler writes group["lr"] between steps)."""
+
+    def __init__(self, run: "StepRun", k: int) -> None:
+        prep = run.prep
+        self.targets: list[torch.Tensor] = []
+        self.bound: list[tuple[int, int, torch.Tensor, int]] = []  # flat pieces: (position, param index, local param, its address)
+        members: dict[int, list[torch.Tensor]] = defaultdict(list)
+        for pos, piece in enumerate(prep.plan.chunks[k].pieces):
+            p = prep.params[piece.index]
+            if prep.flat[piece.index]:
+                loc = local(p)
+                t = hoststate.flat_view(loc.detach())[piece.start : piece.stop]
+                self.bound.append((pos, piece.index, loc, loc.data_ptr()))
+            else:
+                t = p
+            self.targets.append(t)
+            members[prep.groups[piece.index]].append(t)
+        self.order = sorted(members)
+        self.members = [members[gi] for gi in self.order]
+        self.groups = [dict(run.opt.param_groups[gi], params=ps) for gi, ps in zip(self.order, self.members)]
+
+    def valid(self, prep: Prepared) -> bool:
+        """The flat views still look at their params' memory (``p.data = ...`` rebinds it)."""
+        for _, i, loc, ptr in self.bound:
+            now = local(prep.params[i])
+            if now is not loc or now.data_ptr() != ptr:
+                return False
+        return True
+
+    def refresh(self, opt: Any) -> list[dict]:
+        """The group copies with the groups' current values (and the step's hyperparameter copies)."""
+        hyper = opt._hyper
+        for i, (gi, copy, ps) in enumerate(zip(self.order, self.groups, self.members)):
+            orig = opt.param_groups[gi]
+            copy.update(orig)
+            if len(copy) != len(orig):  # a key was removed from the group: copy it afresh
+                copy = self.groups[i] = dict(orig)
+            copy["params"] = ps
+            if hyper:
+                copy.update(hyper.get(gi, ()))
+        return self.groups
+
+    def unbind(self) -> None:
+        """Drop the flat pieces' grads: a cached view must not keep a grad (or a slot) alive between steps."""
+        for pos, _, _, _ in self.bound:
+            self.targets[pos].grad = None
 
 
 class StepRun:
@@ -115,6 +174,7 @@ class StepRun:
         except BaseException as exc:  # Note [failure semantics]
             self.views.clear()
             self.typed.clear()
+            self.unbind_all()
             recovery.recover(self)
             self.pending.clear()
             self.progress.clear()
@@ -179,16 +239,35 @@ class StepRun:
             keep_new_states(self.opt, chunk_state)
 
     # ----- stage 3: update ----------------------------------------------------------------------
-    def piece_input(self, piece, views: dict[str, tuple]) -> tuple[torch.Tensor, dict[str, Any] | None]:
+    def inputs(self, k: int) -> ChunkInputs:
+        """Chunk k's cached inputs (ChunkInputs), built at the plan's first step."""
+        cache = self.prep.inputs
+        if not cache:
+            cache.extend([None] * len(self.prep.plan.chunks))
+        ci = cache[k]
+        if ci is None or not ci.valid(self.prep):
+            ci = cache[k] = ChunkInputs(self, k)
+        return ci
+
+    def unbind_all(self) -> None:
+        for ci in self.prep.inputs:
+            if ci is not None:
+                ci.unbind()
+
+    def piece_input(
+        self, piece, views: dict[str, tuple], t: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, dict[str, Any] | None]:
         """The tensor the inner optimizer steps for one piece and its state dict (None when p has no
         state entry): swapped states are the device views in ``views``; scalar states are the param's
         own when the piece is the whole param (restored from a per-chunk snapshot if its update fails,
-        see snapshot_scalars), clones for a piece of a split param (written back once it is done)."""
+        see snapshot_scalars), clones for a piece of a split param (written back once it is done).
+        ``t``: the piece's cached target (ChunkInputs); None makes a fresh one (the failure path)."""
         prep, state = self.prep, self.opt.state
         p = prep.params[piece.index]
         whole = not prep.flat[piece.index] or (piece.start == 0 and piece.stop == local(p).numel())
         if prep.flat[piece.index]:  # a leaf view of the flat range in memory order, its grad likewise
-            t = hoststate.flat_view(local(p).detach())[piece.start : piece.stop]
+            if t is None:
+                t = hoststate.flat_view(local(p).detach())[piece.start : piece.stop]
             g = local(p.grad)
             if GRAD in views:  # laid out unlike p: gather the piece's elements in p's memory order
                 buf = views[GRAD][1]
@@ -217,19 +296,19 @@ class StepRun:
         op, prep, progress, views = self.op, self.prep, self.progress, self.views[k]
         chunk = prep.plan.chunks[k]
         progress["stage"] = ("input", k)
-        chunk_groups: dict[int, list[torch.Tensor]] = defaultdict(list)
         chunk_state: defaultdict = defaultdict(dict)
-        targets: list[torch.Tensor] = []
+        ci = self.inputs(k)
+        targets = ci.targets
         with op.updating(k), torch.profiler.record_function(f"swapopt.update[{k}]"):
             for pos, piece in enumerate(chunk.pieces):
-                t, pst = self.piece_input(piece, views[pos])
+                t, pst = self.piece_input(piece, views[pos], targets[pos])
                 if pst is not None:
                     chunk_state[t] = pst
-                chunk_groups[prep.groups[piece.index]].append(t)
-                targets.append(t)
+            groups = ci.refresh(self.opt)
             progress["scalars"] = self.snapshot_scalars(chunk, chunk_state, targets)
             progress["stage"] = ("update", k)
-            run_inner(self.opt, chunk_groups, chunk_state, self.kwargs)
+            run_groups(self.opt, ci.order, groups, chunk_state, self.kwargs)
+            ci.unbind()  # the update is issued: the cached views let go of this step's grads
             progress["stage"] = ("output", k)
             progress["chunk"] = (targets, chunk_state, views)
             copies, hold, finals = self.chunk_output(k, targets, chunk_state, views)
