@@ -326,7 +326,7 @@ class StepRun:
 
     def snapshot_scalars(self, chunk, chunk_state: dict, targets: list) -> list:
         """(own tensors, copies) of the scalar tensor states the chunk's update steps in place: one copy
-        per device and dtype (a foreach op), not a clone per param, so that a failing update can put
+        per device, dtype and shape (a stack), not a clone per param, so that a failing update can put
         them back (Note [failure semantics])."""
         groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
         for piece, t in zip(chunk.pieces, targets):
@@ -336,8 +336,9 @@ class StepRun:
             own = self.opt.state[self.prep.params[piece.index]]
             for key, value in pst.items():
                 if isinstance(value, torch.Tensor) and own.get(key) is value:
-                    groups[(value.device, value.dtype)].append(value)
-        return [(ts, internals.foreach_snapshot(ts)) for ts in groups.values()]
+                    groups[(value.device, value.dtype, value.shape)].append(value)
+        # One stacked copy per group (one allocation, not one per param); its rows are what a restore reads.
+        return [(ts, list(torch.stack(ts).unbind(0))) for ts in groups.values()]
 
     # ----- stage 4: swap-out and publish --------------------------------------------------------
     def piece_output(self, piece, t: torch.Tensor, pst: dict[str, Any], views: dict[str, tuple]) -> tuple[list, list, dict[str, Any] | None]:
