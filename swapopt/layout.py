@@ -93,6 +93,7 @@ class Prepared:
     recheck: list[int] = field(default_factory=list)  # flat params: their grad layout decides gathering
     group_ids: list[int] = field(default_factory=list)  # distinct groups of the params, sorted
     preallocated: bool = False  # a preallocate found nothing to create: none will while this plan holds
+    splits: list[Any] = field(default_factory=list)  # per chunk: how the pipeline splits the slot into views
     inputs: list[Any] = field(default_factory=list)  # per chunk: the pipeline's cached inputs (swapopt.pipeline)
 
 

@@ -31,6 +31,42 @@ from swapopt.hoststate import is_swapped_state, local, new_host_like, wrap_like
 from swapopt.layout import GRAD, Prepared, Region
 
 
+def _split_plan(regions: list[Region], slot_bytes: int) -> list[tuple[torch.dtype, list[int], list[tuple[int, int]]]]:
+    """Per dtype: the sizes that cut the slot's typed view into its 1-D regions and the gaps between
+    them, and (region index, part index) of each region. Regions laid out otherwise, out of order or
+    misaligned are left to region_view."""
+    by_dtype: dict[torch.dtype, list[tuple[int, Region]]] = defaultdict(list)
+    for i, r in enumerate(regions):
+        flat = r.shape is None or (len(r.shape) == 1 and tuple(r.stride) == (1,))
+        if r.nbytes and flat and r.offset % itemsize(r.dtype) == 0 and r.nbytes % itemsize(r.dtype) == 0:
+            by_dtype[r.dtype].append((i, r))
+    out = []
+    for dtype, rs in by_dtype.items():
+        if len(rs) < 2:
+            continue
+        size = itemsize(dtype)
+        sizes: list[int] = []
+        picks: list[tuple[int, int]] = []
+        pos = 0
+        for i, r in rs:
+            start = r.offset // size
+            if start < pos:  # out of order: keep the per-region views
+                break
+            if start > pos:
+                sizes.append(start - pos)
+            picks.append((i, len(sizes)))
+            sizes.append(r.nbytes // size)
+            pos = start + r.nbytes // size
+        else:
+            total = slot_bytes // size
+            if total < pos:
+                continue
+            if total > pos:
+                sizes.append(total - pos)
+            out.append((dtype, sizes, picks))
+    return out
+
+
 class ChunkViews(list):
     """Per piece of one chunk: {key: (value the optimizer sees, slot view, host view)}; ``runs``: the
     (host, slot) byte views of the chunk's merged copies."""
@@ -204,6 +240,27 @@ class StepRun:
             return typed.as_strided((r.nbytes // size,), (1,), r.offset // size)
         return typed.as_strided(r.shape, r.stride, r.offset // size)
 
+    def split_views(self, k: int, slot: torch.Tensor) -> dict[int, torch.Tensor]:
+        """Slot views of chunk k's 1-D regions, one split op per dtype instead of one view op per region
+        (the split sizes, gaps included, are worked out once per plan and kept on the Prepared)."""
+        prep = self.prep
+        if not prep.splits:
+            prep.splits.extend([None] * len(prep.plan.chunks))
+        plan = prep.splits[k]
+        if plan is None:
+            plan = prep.splits[k] = _split_plan(prep.regions[k], slot.numel())
+        out: dict[int, torch.Tensor] = {}
+        for dtype, sizes, picks in plan:
+            size = itemsize(dtype)
+            key = (slot.data_ptr(), dtype)
+            typed = self.typed.get(key)
+            if typed is None:
+                typed = self.typed[key] = slot[: slot.numel() - slot.numel() % size].view(dtype)
+            parts = typed.split_with_sizes(sizes)
+            for i, j in picks:
+                out[i] = parts[j]
+        return out
+
     def swap_in(self, k: int) -> ChunkViews:
         """Per piece of chunk k: {key: (value the optimizer sees, slot view, host view the swap-out
         writes)}, with the H2D copies filling the slot views queued."""
@@ -215,8 +272,11 @@ class StepRun:
         # a run's bytes: one copy per direction for the regions it covers
         views.runs = [(run.host, slot[run.offset : run.offset + run.nbytes]) for run in prep.runs[k]] if slot is not None else []
         copies = [(dev, host) for host, dev in views.runs]
+        split = self.split_views(k, slot) if slot is not None else {}
         for i, r in enumerate(prep.regions[k]):
-            v = self.region_view(r, slot)
+            v = split.get(i)
+            if v is None:
+                v = self.region_view(r, slot)
             moved = i in covered and slot is not None
             host = None if moved else r.host  # None: the swap-out leaves it to the run
             views[r.piece][r.key] = (wrap_like(r.layout, v) if r.layout is not None else v, v, host)
