@@ -6,8 +6,9 @@ Stages of a step (chunk k uses staging slot k % S; swapopt.operate orders the st
    merged arena run (swapopt.arena) plus one per state outside a run.
 2. Resident update: params whose states live on the device (resident_mb) are stepped while those
    copies are in flight.
-3. For each chunk k: queue the swap-in of chunk k+S-1, then build the pieces' inputs (param views,
-   grad views, states as views into the slot), run the wrapped optimizer's raw step on them, and
+3. For each chunk k: queue the swap-in of chunk k+S-1, then bind the pieces' inputs (the targets and
+   group copies of ChunkInputs, built once per plan; grad views of flat pieces and the states as views
+   into the slot, made per step), run the wrapped optimizer's raw step on them, and
 4. swap out: queue slot -> host copies on the D2H stream after the update, and publish the scalar
    states (step counts) and newly created host states of every param whose last piece this was.
 5. Finish: staging is released stream-safely and per-param events are kept; no device-wide sync.
