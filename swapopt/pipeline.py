@@ -194,8 +194,9 @@ class StepRun:
         n = len(prep.plan.chunks)
         try:
             op.begin(n, prep.slot_bytes, device.torch_device(self.opt._device))
-            for p in prep.params:  # zero_grad(set_to_none=True) may free them before the update read them
-                op.keep_for_update(p.grad)
+            if op.overlap:  # zero_grad(set_to_none=True) may free them before the update read them
+                for p in prep.params:
+                    op.keep_for_update(p.grad)
             lookahead = op.nslots - 1
             for j in range(min(lookahead, n)):  # stage 1
                 self.views[j] = self.swap_in(j)
