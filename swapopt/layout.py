@@ -8,9 +8,11 @@ which params stay resident, and which may be split across chunks.
 
 from __future__ import annotations
 
+import operator
 import weakref
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
+from itertools import compress, repeat
 from typing import Any
 
 import torch
@@ -24,6 +26,13 @@ from swapopt.plan import DEFAULT_ALIGN, SLOT_ALIGN as _SLOT_ALIGN, ParamSize, Pl
 
 MiB = 1 << 20
 GRAD = "\0grad"  # region key of a grad gathered into the slot (no state key can collide with it)
+_GRAD = operator.attrgetter("grad")
+_SPARSE = operator.attrgetter("is_sparse")
+
+
+def _same(a: list, b: list) -> bool:
+    """The same objects in the same order (identity: comparing tensors with == would compare values)."""
+    return len(a) == len(b) and all(map(operator.is_, a, b))
 
 def _unlike(grad: torch.Tensor, param: torch.Tensor) -> bool:
     """A grad laid out unlike its dense param; equal shape and strides settle it without a layout walk."""
@@ -74,6 +83,18 @@ class Prepared:
     covered: list[frozenset[int]] = field(default_factory=list)  # per chunk: regions a run moves
     h2d_bytes: list[int] = field(default_factory=list)  # per chunk: state bytes its swap-in moves
     covered_bytes: list[int] = field(default_factory=list)  # per chunk: state bytes of the covered regions
+    # What a cache hit compares, built once per plan (see HostLayout.still_valid): the state dict of every
+    # non-resident param and its length, and every cached (dict, key, host state) triple.
+    watch_params: list[torch.Tensor] = field(default_factory=list)
+    watch_dicts: list[Any] = field(default_factory=list)
+    watch_present: list[Any] = field(default_factory=list)  # the watched dicts that exist
+    watch_lens: list[int] = field(default_factory=list)
+    watch_states: tuple[list, list, list] = ((), (), ())
+    recheck: list[int] = field(default_factory=list)  # flat params: their grad layout decides gathering
+    group_ids: list[int] = field(default_factory=list)  # distinct groups of the params, sorted
+    preallocated: bool = False  # a preallocate found nothing to create: none will while this plan holds
+    splits: list[Any] = field(default_factory=list)  # per chunk: how the pipeline splits the slot into views
+    inputs: list[Any] = field(default_factory=list)  # per chunk: the pipeline's cached inputs (swapopt.pipeline)
 
 
 
@@ -98,6 +119,8 @@ class HostLayout:
         self.resident: set[torch.Tensor] = set()  # params whose states live on the device (resident_mb)
         self.probe_cache: dict[tuple, int] = {}
         self.version = 0  # bumped whenever cached host layouts change
+        # active()'s result and what it was computed from (see active)
+        self.active_cache: tuple | None = None
 
     @property
     def opt(self) -> Any:
@@ -116,6 +139,7 @@ class HostLayout:
         self.host.clear()
         self.split_cache.clear()
         self.prepared = None
+        self.active_cache = None
         self.version += 1
 
     def forget(self, p: torch.Tensor) -> None:
@@ -126,7 +150,26 @@ class HostLayout:
     def active(self) -> tuple[list[torch.Tensor], list[int], dict[int, list[torch.Tensor]]]:
         """Params with a grad, in group order, each once (tied params are stepped once): those to swap
         with their group indices, and those stepped in place by group (params outside device memory
-        need no swapping; meta params get torch's own errors)."""
+        need no swapping; meta params get torch's own errors).
+
+        The same param lists with the same params having grads give the same (cached) lists: what a
+        step compares is one C-level pass over the params and their grads, not a Python loop."""
+        groups = self.param_groups
+        lists = [g["params"] for g in groups]
+        grads = [list(map(_GRAD, ps)) for ps in lists]
+        present = [list(map(operator.is_not, gs, repeat(None))) for gs in grads]
+        hit = self.active_cache
+        if hit is not None and len(hit[0]) == len(lists) and all(map(_same, hit[0], lists)) and hit[1] == present:
+            for gs, mask in zip(grads, present):
+                if any(map(_SPARSE, compress(gs, mask))):
+                    break  # a grad turned sparse: the full pass below raises
+            else:
+                return hit[2]
+        result = self._active()
+        self.active_cache = ([list(ps) for ps in lists], present, result)
+        return result
+
+    def _active(self) -> tuple[list[torch.Tensor], list[int], dict[int, list[torch.Tensor]]]:
         params: list[torch.Tensor] = []
         groups: list[int] = []
         in_place: dict[int, list[torch.Tensor]] = defaultdict(list)
@@ -147,7 +190,7 @@ class HostLayout:
                 else:
                     params.append(p)
                     groups.append(gi)
-        return params, groups, in_place
+        return params, groups, dict(in_place)
 
     # ----- host state bookkeeping --------------------------------------------------------------
     def adopt_existing(self) -> None:
@@ -230,7 +273,53 @@ class HostLayout:
         self.split_cache[p] = (key, ok)
         return ok
 
+    def still_valid(self, prep: Prepared, params: list[torch.Tensor], groups: list[int]) -> bool:
+        """Whether ``prep`` holds for this step without re-checking every param in Python: the same params
+        and groups, no host layout change this layout made (``version``), the same state dicts with the
+        same lengths holding the same host states (C-level identity passes, which also catch a state the
+        user replaced by hand), and the grads of flat params still laid out as when it was planned."""
+        if prep.key[3] != self.version or not (params is prep.params or _same(params, prep.params)):
+            return False
+        if groups != prep.groups:
+            return False
+        if not _same(list(map(self.state.get, prep.watch_params)), prep.watch_dicts):
+            return False
+        if list(map(len, prep.watch_present)) != prep.watch_lens:
+            return False
+        dicts, keys, stored = prep.watch_states
+        if not _same(list(map(dict.get, dicts, keys)), stored):
+            return False
+        for i in prep.recheck:
+            p = params[i]
+            if p.grad is None or _unlike(local(p.grad), local(p)) != prep.key[2][i]:
+                return False
+        return True
+
+    def watch(self, prep: Prepared) -> None:
+        """Record on ``prep`` what still_valid compares: taken after planning, from the states as they are."""
+        resident = self.resident
+        prep.watch_params = [p for p in prep.params if p not in resident]
+        prep.watch_dicts = [self.state.get(p) for p in prep.watch_params]
+        prep.watch_present = [d for d in prep.watch_dicts if d is not None]
+        prep.watch_lens = [len(d) for d in prep.watch_present]
+        dicts: list = []
+        keys: list = []
+        stored: list = []
+        for p, d in zip(prep.watch_params, prep.watch_dicts):
+            entry = self.host.get(p)
+            if entry is None or d is None:
+                continue
+            dicts += [d] * len(entry.keys)
+            keys += entry.keys
+            stored += entry.stored
+        prep.watch_states = (dicts, keys, stored)
+        prep.recheck = [i for i, (f, g) in enumerate(zip(prep.flat, prep.key[2])) if f or g]
+        prep.group_ids = sorted(set(prep.groups))
+
     def prepare(self, params: list[torch.Tensor], groups: list[int]) -> Prepared:
+        prep = self.prepared
+        if prep is not None and prep.watch_dicts is not None and self.still_valid(prep, params, groups):
+            return prep
         for p in params:  # resident params keep device states: nothing to check for them
             if p not in self.resident and not self.check_host(p):
                 self.cache_host(p)
@@ -239,6 +328,7 @@ class HostLayout:
         gather = [f and _unlike(local(p.grad), local(p)) for p, f in zip(params, flat)]
         key = (tuple(map(id, params)), tuple(groups), tuple(gather), self.version)
         if self.prepared is not None and self.prepared.key == key:
+            self.watch(self.prepared)
             return self.prepared
         dev = device.torch_device(self.opt._device)
         sizes = []
@@ -288,6 +378,7 @@ class HostLayout:
             key, params, groups, flat, plan, regions, slot_bytes, resident, last_chunk, runs, covered,
             h2d_bytes, covered_bytes,
         )
+        self.watch(self.prepared)
         logger.debug(
             "swapopt plan: {} params, {} chunks, budget {:.2f} MiB, slot {:.2f} MiB, {} resident, {} merged copies",
             len(params), len(plan.chunks), plan.budget / MiB, slot_bytes / MiB, len(resident), sum(map(len, runs)),
@@ -390,7 +481,7 @@ class HostLayout:
         """Pinned host tensors for the param-shaped states an element-wise optimizer will create this
         step for params that have none yet (known from the probe)."""
         out: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
-        if not self.elementwise:
+        if not self.elementwise or prep.preallocated:
             return out
         for chunk in prep.plan.chunks:
             # Whole params whose states are all param-shaped go into one arena per chunk, at the offsets
@@ -420,6 +511,8 @@ class HostLayout:
                     placed.append((p, key, dtype, end))
                     end += loc.numel() * size
             self.place(placed, end, out)
+        # Every param had its states: while this plan holds (same state dicts, see still_valid) none lacks any.
+        prep.preallocated = not out
         return out
 
     def place(self, placed: list, nbytes: int, out: dict) -> None:

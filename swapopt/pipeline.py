@@ -6,8 +6,9 @@ Stages of a step (chunk k uses staging slot k % S; swapopt.operate orders the st
    merged arena run (swapopt.arena) plus one per state outside a run.
 2. Resident update: params whose states live on the device (resident_mb) are stepped while those
    copies are in flight.
-3. For each chunk k: queue the swap-in of chunk k+S-1, then build the pieces' inputs (param views,
-   grad views, states as views into the slot), run the wrapped optimizer's raw step on them, and
+3. For each chunk k: queue the swap-in of chunk k+S-1, then bind the pieces' inputs (the targets and
+   group copies of ChunkInputs, built once per plan; grad views of flat pieces and the states as views
+   into the slot, made per step), run the wrapped optimizer's raw step on them, and
 4. swap out: queue slot -> host copies on the D2H stream after the update, and publish the scalar
    states (step counts) and newly created host states of every param whose last piece this was.
 5. Finish: staging is released stream-safely and per-param events are kept; no device-wide sync.
@@ -29,6 +30,42 @@ from swapopt import hoststate, internals, recovery
 from swapopt.arena import itemsize
 from swapopt.hoststate import is_swapped_state, local, new_host_like, wrap_like
 from swapopt.layout import GRAD, Prepared, Region
+
+
+def _split_plan(regions: list[Region], slot_bytes: int) -> list[tuple[torch.dtype, list[int], list[tuple[int, int]]]]:
+    """Per dtype: the sizes that cut the slot's typed view into its 1-D regions and the gaps between
+    them, and (region index, part index) of each region. Regions laid out otherwise, out of order or
+    misaligned are left to region_view."""
+    by_dtype: dict[torch.dtype, list[tuple[int, Region]]] = defaultdict(list)
+    for i, r in enumerate(regions):
+        flat = r.shape is None or (len(r.shape) == 1 and tuple(r.stride) == (1,))
+        if r.nbytes and flat and r.offset % itemsize(r.dtype) == 0 and r.nbytes % itemsize(r.dtype) == 0:
+            by_dtype[r.dtype].append((i, r))
+    out = []
+    for dtype, rs in by_dtype.items():
+        if len(rs) < 2:
+            continue
+        size = itemsize(dtype)
+        sizes: list[int] = []
+        picks: list[tuple[int, int]] = []
+        pos = 0
+        for i, r in rs:
+            start = r.offset // size
+            if start < pos:  # out of order: keep the per-region views
+                break
+            if start > pos:
+                sizes.append(start - pos)
+            picks.append((i, len(sizes)))
+            sizes.append(r.nbytes // size)
+            pos = start + r.nbytes // size
+        else:
+            total = slot_bytes // size
+            if total < pos:
+                continue
+            if total > pos:
+                sizes.append(total - pos)
+            out.append((dtype, sizes, picks))
+    return out
 
 
 class ChunkViews(list):
@@ -57,10 +94,16 @@ def keep_new_states(opt: Any, chunk_state: dict) -> None:
 def run_inner(opt: Any, chunk_groups: dict[int, list[torch.Tensor]], chunk_state: Any, kwargs: dict) -> None:
     """One inner step over the given params and state; the shared groups and state are restored after.
     The step sees copies of the groups: a write to a group-level value would be lost, so it raises."""
-    inner = opt.optimizer
     order = sorted(chunk_groups)
     hyper = opt._hyper  # step-time copies of tensor hyperparameters (overlap_forward), else empty
     groups = [dict(opt.param_groups[gi], params=chunk_groups[gi], **hyper.get(gi, {})) for gi in order]
+    run_groups(opt, order, groups, chunk_state, kwargs)
+
+
+def run_groups(opt: Any, order: list[int], groups: list[dict], chunk_state: Any, kwargs: dict) -> None:
+    """run_inner over ready copies ``groups`` of the param groups ``order`` (current hyperparameters)."""
+    inner = opt.optimizer
+    hyper = opt._hyper
     with internals.stepping_subset(inner, groups, chunk_state):
         opt._step_fn(inner, **kwargs)
     for gi, copy in zip(order, groups):
@@ -73,6 +116,59 @@ def run_inner(opt: Any, chunk_groups: dict[int, list[torch.Tensor]], chunk_state
                     "norm over all params) would be lost or wrong; such an optimizer is not per-param and "
                     "cannot be swapped"
                 )
+
+
+class ChunkInputs:
+    """What the inner optimizer is handed for one chunk, built once per plan (kept on the Prepared) and
+    reused every step while the plan holds: the tensor stepped for each piece (the param itself when it
+    is not split, else a flat view of its range), and copies of the chunk's param groups over those
+    tensors. Per step only the flat pieces' grads are bound and the groups' other values refreshed (a
+    scheduler writes group["lr"] between steps)."""
+
+    def __init__(self, run: "StepRun", k: int) -> None:
+        prep = run.prep
+        self.targets: list[torch.Tensor] = []
+        self.bound: list[tuple[int, int, torch.Tensor, int]] = []  # flat pieces: (position, param index, local param, its address)
+        members: dict[int, list[torch.Tensor]] = defaultdict(list)
+        for pos, piece in enumerate(prep.plan.chunks[k].pieces):
+            p = prep.params[piece.index]
+            if prep.flat[piece.index]:
+                loc = local(p)
+                t = hoststate.flat_view(loc.detach())[piece.start : piece.stop]
+                self.bound.append((pos, piece.index, loc, loc.data_ptr()))
+            else:
+                t = p
+            self.targets.append(t)
+            members[prep.groups[piece.index]].append(t)
+        self.order = sorted(members)
+        self.members = [members[gi] for gi in self.order]
+        self.groups = [dict(run.opt.param_groups[gi], params=ps) for gi, ps in zip(self.order, self.members)]
+
+    def valid(self, prep: Prepared) -> bool:
+        """The flat views still look at their params' memory (``p.data = ...`` rebinds it)."""
+        for _, i, loc, ptr in self.bound:
+            now = local(prep.params[i])
+            if now is not loc or now.data_ptr() != ptr:
+                return False
+        return True
+
+    def refresh(self, opt: Any) -> list[dict]:
+        """The group copies with the groups' current values (and the step's hyperparameter copies)."""
+        hyper = opt._hyper
+        for i, (gi, copy, ps) in enumerate(zip(self.order, self.groups, self.members)):
+            orig = opt.param_groups[gi]
+            copy.update(orig)
+            if len(copy) != len(orig):  # a key was removed from the group: copy it afresh
+                copy = self.groups[i] = dict(orig)
+            copy["params"] = ps
+            if hyper:
+                copy.update(hyper.get(gi, ()))
+        return self.groups
+
+    def unbind(self) -> None:
+        """Drop the flat pieces' grads: a cached view must not keep a grad (or a slot) alive between steps."""
+        for pos, _, _, _ in self.bound:
+            self.targets[pos].grad = None
 
 
 class StepRun:
@@ -98,8 +194,9 @@ class StepRun:
         n = len(prep.plan.chunks)
         try:
             op.begin(n, prep.slot_bytes, device.torch_device(self.opt._device))
-            for p in prep.params:  # zero_grad(set_to_none=True) may free them before the update read them
-                op.keep_for_update(p.grad)
+            if op.overlap:  # zero_grad(set_to_none=True) may free them before the update read them
+                for p in prep.params:
+                    op.keep_for_update(p.grad)
             lookahead = op.nslots - 1
             for j in range(min(lookahead, n)):  # stage 1
                 self.views[j] = self.swap_in(j)
@@ -115,6 +212,7 @@ class StepRun:
         except BaseException as exc:  # Note [failure semantics]
             self.views.clear()
             self.typed.clear()
+            self.unbind_all()
             recovery.recover(self)
             self.pending.clear()
             self.progress.clear()
@@ -144,6 +242,27 @@ class StepRun:
             return typed.as_strided((r.nbytes // size,), (1,), r.offset // size)
         return typed.as_strided(r.shape, r.stride, r.offset // size)
 
+    def split_views(self, k: int, slot: torch.Tensor) -> dict[int, torch.Tensor]:
+        """Slot views of chunk k's 1-D regions, one split op per dtype instead of one view op per region
+        (the split sizes, gaps included, are worked out once per plan and kept on the Prepared)."""
+        prep = self.prep
+        if not prep.splits:
+            prep.splits.extend([None] * len(prep.plan.chunks))
+        plan = prep.splits[k]
+        if plan is None:
+            plan = prep.splits[k] = _split_plan(prep.regions[k], slot.numel())
+        out: dict[int, torch.Tensor] = {}
+        for dtype, sizes, picks in plan:
+            size = itemsize(dtype)
+            key = (slot.data_ptr(), dtype)
+            typed = self.typed.get(key)
+            if typed is None:
+                typed = self.typed[key] = slot[: slot.numel() - slot.numel() % size].view(dtype)
+            parts = typed.split_with_sizes(sizes)
+            for i, j in picks:
+                out[i] = parts[j]
+        return out
+
     def swap_in(self, k: int) -> ChunkViews:
         """Per piece of chunk k: {key: (value the optimizer sees, slot view, host view the swap-out
         writes)}, with the H2D copies filling the slot views queued."""
@@ -155,8 +274,11 @@ class StepRun:
         # a run's bytes: one copy per direction for the regions it covers
         views.runs = [(run.host, slot[run.offset : run.offset + run.nbytes]) for run in prep.runs[k]] if slot is not None else []
         copies = [(dev, host) for host, dev in views.runs]
+        split = self.split_views(k, slot) if slot is not None else {}
         for i, r in enumerate(prep.regions[k]):
-            v = self.region_view(r, slot)
+            v = split.get(i)
+            if v is None:
+                v = self.region_view(r, slot)
             moved = i in covered and slot is not None
             host = None if moved else r.host  # None: the swap-out leaves it to the run
             views[r.piece][r.key] = (wrap_like(r.layout, v) if r.layout is not None else v, v, host)
@@ -179,16 +301,35 @@ class StepRun:
             keep_new_states(self.opt, chunk_state)
 
     # ----- stage 3: update ----------------------------------------------------------------------
-    def piece_input(self, piece, views: dict[str, tuple]) -> tuple[torch.Tensor, dict[str, Any] | None]:
+    def inputs(self, k: int) -> ChunkInputs:
+        """Chunk k's cached inputs (ChunkInputs), built at the plan's first step."""
+        cache = self.prep.inputs
+        if not cache:
+            cache.extend([None] * len(self.prep.plan.chunks))
+        ci = cache[k]
+        if ci is None or not ci.valid(self.prep):
+            ci = cache[k] = ChunkInputs(self, k)
+        return ci
+
+    def unbind_all(self) -> None:
+        for ci in self.prep.inputs:
+            if ci is not None:
+                ci.unbind()
+
+    def piece_input(
+        self, piece, views: dict[str, tuple], t: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, dict[str, Any] | None]:
         """The tensor the inner optimizer steps for one piece and its state dict (None when p has no
         state entry): swapped states are the device views in ``views``; scalar states are the param's
         own when the piece is the whole param (restored from a per-chunk snapshot if its update fails,
-        see snapshot_scalars), clones for a piece of a split param (written back once it is done)."""
+        see snapshot_scalars), clones for a piece of a split param (written back once it is done).
+        ``t``: the piece's cached target (ChunkInputs); None makes a fresh one (the failure path)."""
         prep, state = self.prep, self.opt.state
         p = prep.params[piece.index]
         whole = not prep.flat[piece.index] or (piece.start == 0 and piece.stop == local(p).numel())
         if prep.flat[piece.index]:  # a leaf view of the flat range in memory order, its grad likewise
-            t = hoststate.flat_view(local(p).detach())[piece.start : piece.stop]
+            if t is None:
+                t = hoststate.flat_view(local(p).detach())[piece.start : piece.stop]
             g = local(p.grad)
             if GRAD in views:  # laid out unlike p: gather the piece's elements in p's memory order
                 buf = views[GRAD][1]
@@ -217,19 +358,19 @@ class StepRun:
         op, prep, progress, views = self.op, self.prep, self.progress, self.views[k]
         chunk = prep.plan.chunks[k]
         progress["stage"] = ("input", k)
-        chunk_groups: dict[int, list[torch.Tensor]] = defaultdict(list)
         chunk_state: defaultdict = defaultdict(dict)
-        targets: list[torch.Tensor] = []
+        ci = self.inputs(k)
+        targets = ci.targets
         with op.updating(k), torch.profiler.record_function(f"swapopt.update[{k}]"):
             for pos, piece in enumerate(chunk.pieces):
-                t, pst = self.piece_input(piece, views[pos])
+                t, pst = self.piece_input(piece, views[pos], targets[pos])
                 if pst is not None:
                     chunk_state[t] = pst
-                chunk_groups[prep.groups[piece.index]].append(t)
-                targets.append(t)
+            groups = ci.refresh(self.opt)
             progress["scalars"] = self.snapshot_scalars(chunk, chunk_state, targets)
             progress["stage"] = ("update", k)
-            run_inner(self.opt, chunk_groups, chunk_state, self.kwargs)
+            run_groups(self.opt, ci.order, groups, chunk_state, self.kwargs)
+            ci.unbind()  # the update is issued: the cached views let go of this step's grads
             progress["stage"] = ("output", k)
             progress["chunk"] = (targets, chunk_state, views)
             copies, hold, finals = self.chunk_output(k, targets, chunk_state, views)
@@ -247,7 +388,7 @@ class StepRun:
 
     def snapshot_scalars(self, chunk, chunk_state: dict, targets: list) -> list:
         """(own tensors, copies) of the scalar tensor states the chunk's update steps in place: one copy
-        per device and dtype (a foreach op), not a clone per param, so that a failing update can put
+        per device, dtype and shape (a stack), not a clone per param, so that a failing update can put
         them back (Note [failure semantics])."""
         groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
         for piece, t in zip(chunk.pieces, targets):
@@ -257,8 +398,9 @@ class StepRun:
             own = self.opt.state[self.prep.params[piece.index]]
             for key, value in pst.items():
                 if isinstance(value, torch.Tensor) and own.get(key) is value:
-                    groups[(value.device, value.dtype)].append(value)
-        return [(ts, internals.foreach_snapshot(ts)) for ts in groups.values()]
+                    groups[(value.device, value.dtype, value.shape)].append(value)
+        # One stacked copy per group (one allocation, not one per param); its rows are what a restore reads.
+        return [(ts, list(torch.stack(ts).unbind(0))) for ts in groups.values()]
 
     # ----- stage 4: swap-out and publish --------------------------------------------------------
     def piece_output(self, piece, t: torch.Tensor, pst: dict[str, Any], views: dict[str, tuple]) -> tuple[list, list, dict[str, Any] | None]:

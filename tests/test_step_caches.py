@@ -171,3 +171,106 @@ def test_wrapper_is_freed_without_a_garbage_collection(sim):
         assert gone() is None
     finally:
         gc.enable()
+
+
+def _mixed(seed: int = 0):
+    """Small params plus one big enough to be split across chunks (flat pieces)."""
+    torch.manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(NUMEL)) for _ in range(N)] + [torch.nn.Parameter(torch.randn(4000))]
+
+
+def _mixed_grads(params, ref, step):
+    g = torch.Generator().manual_seed(200 + step)
+    for p, q in zip(params, ref):
+        p.grad = torch.randn(p.shape, generator=g)
+        q.grad = p.grad.clone()
+
+
+def _check_parity(opt, params, ref, ref_opt):
+    opt.wait_for_swap_out()
+    for p, q in zip(params, ref):
+        assert torch.equal(p.detach(), q.detach())
+        if q in ref_opt.state:
+            for key, value in ref_opt.state[q].items():
+                assert torch.equal(opt.state[p][key], value), key
+
+
+def test_cache_hit_reuses_plan_groups_and_targets_and_sees_lr_changes(sim):
+    params = _mixed()
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = SwapOptimizer(torch.optim.AdamW(params, lr=1e-2, fused=True), swap_optimizer_times=K)
+    ref_opt = torch.optim.AdamW(ref, lr=1e-2, fused=True)
+    seen = None
+    for step in range(4):
+        _mixed_grads(params, ref, step)
+        if step == 3:  # what a scheduler does between steps
+            for g in (opt.param_groups[0], ref_opt.param_groups[0]):
+                g["lr"] = 3e-3
+        opt.step()
+        ref_opt.step()
+        prep = opt._layout.prepared
+        inputs = [(ci.targets, ci.groups, [id(t) for t in ci.targets], [id(g) for g in ci.groups]) for ci in prep.inputs]
+        if step >= 2:  # step 1 created the states (a new layout); from then on every step is a cache hit
+            assert prep is seen[0]
+            assert [i[2:] for i in inputs] == [i[2:] for i in seen[1]]
+        seen = (prep, inputs)
+        assert any(ci.bound for ci in prep.inputs)  # the big param is split: flat pieces are cached too
+        # cached flat views hold no grad between steps (no grad or slot memory kept alive)
+        assert all(ci.targets[pos].grad is None for ci in prep.inputs for pos, *_ in ci.bound)
+        assert all(g["lr"] == opt.param_groups[0]["lr"] for ci in prep.inputs for g in ci.groups)
+    _check_parity(opt, params, ref, ref_opt)
+
+
+def test_grad_that_becomes_none_replans_and_is_not_stepped(sim):
+    params = _mixed()
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = SwapOptimizer(torch.optim.AdamW(params, lr=1e-2, fused=True), swap_optimizer_times=K)
+    ref_opt = torch.optim.AdamW(ref, lr=1e-2, fused=True)
+    for step in range(4):
+        _mixed_grads(params, ref, step)
+        if step == 2:
+            params[3].grad = ref[3].grad = None
+        before = opt._layout.prepared
+        opt.step()
+        ref_opt.step()
+        if step == 2:
+            assert opt._layout.prepared is not before
+            assert not any(p is params[3] for p in opt._layout.prepared.params)
+        if step == 3:
+            assert any(p is params[3] for p in opt._layout.prepared.params)
+    _check_parity(opt, params, ref, ref_opt)
+
+
+def test_state_replaced_by_hand_is_caught_on_a_cache_hit(sim):
+    params = _mixed()
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = SwapOptimizer(torch.optim.AdamW(params, lr=1e-2, fused=True), swap_optimizer_times=K)
+    ref_opt = torch.optim.AdamW(ref, lr=1e-2, fused=True)
+    before = None
+    for step in range(4):
+        _mixed_grads(params, ref, step)
+        if step == 3:
+            opt.wait_for_swap_out()
+            for key in ("exp_avg", "exp_avg_sq"):  # a new tensor with the same values, in place of the cached one
+                opt.state[params[5]][key] = opt.state[params[5]][key].clone()
+        opt.step()
+        ref_opt.step()
+        if step == 3:  # missed, the step would update the old cached host tensors and leave these stale
+            assert opt._layout.prepared is not before
+        before = opt._layout.prepared
+    _check_parity(opt, params, ref, ref_opt)
+
+
+@pytest.mark.parametrize("n", [N, 10 * N])
+def test_steady_step_aten_ops_do_not_grow_with_tensors(sim, n):
+    """1-D states get their slot views from one split per dtype and chunk: a cache-hit step dispatches
+    the same number of aten ops for 40 tensors as for 400."""
+    params = [torch.nn.Parameter(torch.randn(NUMEL)) for _ in range(n)]
+    opt = SwapOptimizer(_build("adamw", params), swap_optimizer_times=K)
+    for _ in range(3):
+        for p in params:
+            p.grad = torch.randn(NUMEL)
+        opt.step()
+    counts = count_call(opt.step)
+    assert counts.h2d_copies == K and counts.d2h_copies == K
+    assert counts.aten_ops <= 12 * K, counts
