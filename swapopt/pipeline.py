@@ -185,6 +185,7 @@ class StepRun:
         # progress["stage"]: (stage, k) of the chunk being worked on; progress["chunk"]: what completing
         # chunk k needs once its inner update returned (see Note [failure semantics]).
         self.progress: dict[str, Any] = {"stage": ("done", -1)}
+        self.snapshots: list[list] | None = None  # per chunk: (own scalars, their old values); see snapshot_scalars
         self.h2d = 0
         self.d2h = 0
         self.typed: dict[tuple[int, torch.dtype], torch.Tensor] = {}  # see region_view
@@ -321,7 +322,7 @@ class StepRun:
     ) -> tuple[torch.Tensor, dict[str, Any] | None]:
         """The tensor the inner optimizer steps for one piece and its state dict (None when p has no
         state entry): swapped states are the device views in ``views``; scalar states are the param's
-        own when the piece is the whole param (restored from a per-chunk snapshot if its update fails,
+        own when the piece is the whole param (restored from the step's snapshot if its update fails,
         see snapshot_scalars), clones for a piece of a split param (written back once it is done).
         ``t``: the piece's cached target (ChunkInputs); None makes a fresh one (the failure path)."""
         prep, state = self.prep, self.opt.state
@@ -367,7 +368,9 @@ class StepRun:
                 if pst is not None:
                     chunk_state[t] = pst
             groups = ci.refresh(self.opt)
-            progress["scalars"] = self.snapshot_scalars(chunk, chunk_state, targets)
+            if self.snapshots is None:  # on the stream of the step's first update, before any of them
+                self.snapshots = self.snapshot_scalars()
+            progress["scalars"] = self.snapshots[k]
             progress["stage"] = ("update", k)
             run_groups(self.opt, ci.order, groups, chunk_state, self.kwargs)
             ci.unbind()  # the update is issued: the cached views let go of this step's grads
@@ -386,21 +389,35 @@ class StepRun:
         progress.pop("scalars", None)
         self.d2h += nbytes
 
-    def snapshot_scalars(self, chunk, chunk_state: dict, targets: list) -> list:
-        """(own tensors, copies) of the scalar tensor states the chunk's update steps in place: one copy
-        per device, dtype and shape (a stack), not a clone per param, so that a failing update can put
-        them back (Note [failure semantics])."""
-        groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
-        for piece, t in zip(chunk.pieces, targets):
-            pst = chunk_state.get(t)
-            if not pst:
-                continue
-            own = self.opt.state[self.prep.params[piece.index]]
-            for key, value in pst.items():
-                if isinstance(value, torch.Tensor) and own.get(key) is value:
-                    groups[(value.device, value.dtype, value.shape)].append(value)
-        # One stacked copy per group (one allocation, not one per param); its rows are what a restore reads.
-        return [(ts, list(torch.stack(ts).unbind(0))) for ts in groups.values()]
+    def snapshot_scalars(self) -> list[list]:
+        """Per chunk: (own tensors, copies) of the scalar tensor states (step counts) that its update steps
+        in place, so that a failing update can put them back (Note [failure semantics]). Those are the
+        existing non-swapped tensor states of params stepped whole (a split param's pieces step clones).
+        Taken once per step, before the first update, as one stack per device, dtype and shape: one copy
+        launch per step rather than one per chunk."""
+        prep, state = self.prep, self.opt.state
+        owners: list[tuple[int, tuple, torch.Tensor]] = []
+        for k, chunk in enumerate(prep.plan.chunks):
+            for piece in chunk.pieces:
+                p = prep.params[piece.index]
+                own = state.get(p)
+                if not own or (prep.flat[piece.index] and not (piece.start == 0 and piece.stop == local(p).numel())):
+                    continue
+                for key, value in own.items():
+                    if isinstance(value, torch.Tensor) and not is_swapped_state(p, key, value):
+                        owners.append((k, (value.device, value.dtype, value.shape), value))
+        groups: dict[tuple, list[int]] = defaultdict(list)
+        for i, (_, group, _) in enumerate(owners):
+            groups[group].append(i)
+        old: list[torch.Tensor | None] = [None] * len(owners)
+        for members in groups.values():
+            for i, row in zip(members, torch.stack([owners[i][2] for i in members]).unbind(0)):
+                old[i] = row
+        per_chunk: list[tuple[list, list]] = [([], []) for _ in prep.plan.chunks]
+        for (k, _, value), row in zip(owners, old):
+            per_chunk[k][0].append(value)
+            per_chunk[k][1].append(row)
+        return [[pair] if pair[0] else [] for pair in per_chunk]
 
     # ----- stage 4: swap-out and publish --------------------------------------------------------
     def piece_output(self, piece, t: torch.Tensor, pst: dict[str, Any], views: dict[str, tuple]) -> tuple[list, list, dict[str, Any] | None]:

@@ -351,3 +351,39 @@ def test_split_parity_stats_and_host_memory(name, monkeypatch):
         stats = opt.swap_stats()
         assert (stats.h2d_bytes, stats.d2h_bytes) == (state_bytes, state_bytes)
     _compare(ps, opt, rs, ref)  # bitwise parity with splitting
+
+
+@pytest.mark.parametrize("impl", ["foreach", "fused"])
+@pytest.mark.parametrize("fail_chunk", [0, 2])
+def test_failure_after_the_inner_update_puts_that_chunks_step_counts_back(impl, fail_chunk):
+    # The inner optimizer of chunk k finished (step counts advanced in place, params updated), then the
+    # step raised: chunk k's params keep their old step counts (Note [failure semantics]); the chunks
+    # before it are stepped, the chunks after it untouched.
+    torch.manual_seed(0)
+    with simulator.activate():
+        ps = [torch.nn.Parameter(torch.randn(4, 5)) for _ in range(6)]
+        opt = SwapOptimizer(torch.optim.AdamW(ps, lr=1e-2, **{impl: True}), swap_optimizer_times=3)
+        for _ in range(2):
+            for p in ps:
+                p.grad = torch.randn(4, 5)
+            opt.step()
+        chunks = opt._layout.prepared.plan.chunks
+        assert len(chunks) == 3 and all(len(c.pieces) == 2 for c in chunks)
+        real, calls = opt._step_fn, []
+
+        def step_then_raise(o, *args, **kwargs):
+            out = real(o, *args, **kwargs)
+            if o is opt.optimizer:
+                calls.append(1)
+                if len(calls) == fail_chunk + 1:
+                    raise Boom("after the update")
+            return out
+
+        opt._step_fn = step_then_raise
+        with pytest.raises(Boom):
+            opt.step()
+        opt._step_fn = real
+        opt.wait_for_swap_out()
+        for k, chunk in enumerate(chunks):
+            for piece in chunk.pieces:
+                assert float(opt.state[ps[piece.index]]["step"]) == (3.0 if k < fail_chunk else 2.0), (k, piece)
