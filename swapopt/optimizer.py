@@ -102,7 +102,7 @@ def _refuse(optimizer: Any, per_param: bool) -> None:
 class SwapOptimizer(torch.optim.Optimizer):
     """Wrap ``optimizer`` so that its states stay in pinned host memory between steps.
 
-    ``swap_optimizer_times``: chunks per step; ``chunk_mb``: fixed chunk budget (MiB), overrides it;
+    ``swap_optimizer_times``: about this many chunks per step (swapopt.plan); ``chunk_mb``: fixed chunk budget (MiB), overrides it;
     ``slots``: staging buffers (3 lets swap-in, update and swap-out overlap); ``resident_mb``: states
     that fit stay on the device and are stepped first; ``per_param``: vouch that an optimizer from
     outside torch.optim is per-param (see swapopt.perparam), so it is accepted. param_groups, state and defaults are the
