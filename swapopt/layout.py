@@ -96,6 +96,15 @@ class Prepared:
     splits: list[Any] = field(default_factory=list)  # per chunk: how the pipeline splits the slot into views
     inputs: list[Any] = field(default_factory=list)  # per chunk: the pipeline's cached inputs (swapopt.pipeline)
 
+    def __post_init__(self) -> None:
+        # filled lazily by the pipeline, chunk by chunk, at the plan's first step
+        self.splits = self.splits or [None] * len(self.plan.chunks)
+        self.inputs = self.inputs or [None] * len(self.plan.chunks)
+
+    def is_whole(self, piece: Any) -> bool:
+        """The piece is its param's whole range (a param not split is stepped as itself)."""
+        return not self.flat[piece.index] or (piece.start == 0 and piece.stop == local(self.params[piece.index]).numel())
+
 
 
 class HostLayout:

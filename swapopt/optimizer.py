@@ -150,7 +150,6 @@ class SwapOptimizer(torch.optim.Optimizer):
         self.defaults = optimizer.defaults
         self.operate = SwapOptimizerOperate(slots, overlap=bool(overlap_forward))
         self._forward_waits = ForwardWaits(self.operate)
-        self._order_cache: tuple | None = None  # see _ordered
         self._hyper: dict[int, dict[str, Any]] = {}  # per group: step-time copies of tensor hyperparameters
         self._step_fn = internals.raw_step(optimizer)  # Note [raw step]; one attribute, so fault injection can wrap it
         self._layout = HostLayout(self)  # host states, arenas and the plan (swapopt.layout)
@@ -299,7 +298,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         layout = self._layout
         params, groups, in_place = layout.active()
         if self.operate.overlap:  # stream the first layers first (swapopt.overlap)
-            params, groups = self._ordered(params, groups)
+            params, groups = self._forward_waits.order(params, groups)
         if in_place:
             if "host" not in self._warned:
                 self._warned.add("host")
@@ -337,18 +336,6 @@ class SwapOptimizer(torch.optim.Optimizer):
             "swapopt step {}: {} chunks, H2D {:.1f} MiB, D2H {:.1f} MiB, staging {:.1f} MiB, {} resident params",
             st.steps + 1, n, run.h2d / MiB, run.d2h / MiB, op.peak_staging_bytes / MiB, len(prep.resident),
         )  # fmt: skip
-
-    def _ordered(self, params: list[torch.Tensor], groups: list[int]) -> tuple[list[torch.Tensor], list[int]]:
-        """The forward order of ``params`` (swapopt.overlap), kept while active() gives the same lists and
-        no model was attached since, so the plan's cache sees the same lists too."""
-        waits = self._forward_waits
-        key = (params, len(waits._rank))
-        hit = self._order_cache
-        if hit is not None and hit[0][0] is params and hit[0][1] == key[1]:
-            return hit[1]
-        out = waits.order(params, groups)
-        self._order_cache = (key, out)
-        return out
 
     def _snapshot_hyper(self, groups: Iterable[int]) -> None:
         """Step-time copies of the tensor hyperparameters (lr tensors, tensor betas) of the given groups,

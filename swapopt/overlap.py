@@ -59,6 +59,7 @@ class ForwardWaits:
         self._seen: dict[tuple[bool, bool], weakref.WeakSet[nn.Module]] = {}
         self.attached = False
         self._rank: dict[torch.Tensor, int] = {}  # param -> position in the attached models' registration order
+        self._order_cache: tuple | None = None  # (params list, len(_rank), result) of the last order()
 
     def attach(self, model: nn.Module) -> None:
         if not isinstance(model, nn.Module):
@@ -76,12 +77,19 @@ class ForwardWaits:
 
     def order(self, params: list[torch.Tensor], groups: list[int]) -> tuple[list[torch.Tensor], list[int]]:
         """``params`` (with their group indices) in the attached models' registration order; params of no
-        attached model keep their relative order after them."""
+        attached model keep their relative order after them. The same ``params`` list (the optimizer's active
+        params on a cache hit) gets the same result lists while no model is attached, so the plan's cache
+        sees the same lists too."""
         if not self._rank:
             return params, groups
         last = len(self._rank)
+        hit = self._order_cache
+        if hit is not None and hit[0] is params and hit[1] == last:
+            return hit[2]
         pairs = sorted(zip(params, groups), key=lambda pg: self._rank.get(pg[0], last))
-        return [p for p, _ in pairs], [g for _, g in pairs]
+        out = [p for p, _ in pairs], [g for _, g in pairs]
+        self._order_cache = (params, last, out)
+        return out
 
     def detach(self) -> None:
         """Remove every hook (the optimizer no longer orders forwards after its updates)."""

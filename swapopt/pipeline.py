@@ -235,31 +235,31 @@ class StepRun:
         if r.offset % size:  # never with the plan's alignment; kept exact anyway
             v = slot[r.offset : r.offset + r.nbytes].view(r.dtype)
             return v.as_strided(r.shape, r.stride) if r.shape is not None else v
-        key = (slot.data_ptr(), r.dtype)
-        typed = self.typed.get(key)
-        if typed is None:
-            typed = self.typed[key] = slot[: slot.numel() - slot.numel() % size].view(r.dtype)
+        typed = self.typed_slot(slot, r.dtype)
         if r.shape is None:
             return typed.as_strided((r.nbytes // size,), (1,), r.offset // size)
         return typed.as_strided(r.shape, r.stride, r.offset // size)
+
+    def typed_slot(self, slot: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The whole slot viewed as ``dtype`` (its trailing bytes short of one element left out), made once
+        per (slot, dtype) and step: every region view of that dtype is one op on it."""
+        key = (slot.data_ptr(), dtype)
+        typed = self.typed.get(key)
+        if typed is None:
+            size = itemsize(dtype)
+            typed = self.typed[key] = slot[: slot.numel() - slot.numel() % size].view(dtype)
+        return typed
 
     def split_views(self, k: int, slot: torch.Tensor) -> dict[int, torch.Tensor]:
         """Slot views of chunk k's 1-D regions, one split op per dtype instead of one view op per region
         (the split sizes, gaps included, are worked out once per plan and kept on the Prepared)."""
         prep = self.prep
-        if not prep.splits:
-            prep.splits.extend([None] * len(prep.plan.chunks))
         plan = prep.splits[k]
         if plan is None:
             plan = prep.splits[k] = _split_plan(prep.regions[k], slot.numel())
         out: dict[int, torch.Tensor] = {}
         for dtype, sizes, picks in plan:
-            size = itemsize(dtype)
-            key = (slot.data_ptr(), dtype)
-            typed = self.typed.get(key)
-            if typed is None:
-                typed = self.typed[key] = slot[: slot.numel() - slot.numel() % size].view(dtype)
-            parts = typed.split_with_sizes(sizes)
+            parts = self.typed_slot(slot, dtype).split_with_sizes(sizes)
             for i, j in picks:
                 out[i] = parts[j]
         return out
@@ -305,8 +305,6 @@ class StepRun:
     def inputs(self, k: int) -> ChunkInputs:
         """Chunk k's cached inputs (ChunkInputs), built at the plan's first step."""
         cache = self.prep.inputs
-        if not cache:
-            cache.extend([None] * len(self.prep.plan.chunks))
         ci = cache[k]
         if ci is None or not ci.valid(self.prep):
             ci = cache[k] = ChunkInputs(self, k)
@@ -327,7 +325,7 @@ class StepRun:
         ``t``: the piece's cached target (ChunkInputs); None makes a fresh one (the failure path)."""
         prep, state = self.prep, self.opt.state
         p = prep.params[piece.index]
-        whole = not prep.flat[piece.index] or (piece.start == 0 and piece.stop == local(p).numel())
+        whole = prep.is_whole(piece)
         if prep.flat[piece.index]:  # a leaf view of the flat range in memory order, its grad likewise
             if t is None:
                 t = hoststate.flat_view(local(p).detach())[piece.start : piece.stop]
@@ -396,27 +394,22 @@ class StepRun:
         Taken once per step, before the first update, as one stack per device, dtype and shape: one copy
         launch per step rather than one per chunk."""
         prep, state = self.prep, self.opt.state
-        owners: list[tuple[int, tuple, torch.Tensor]] = []
+        by_kind: dict[tuple, list[tuple[int, torch.Tensor]]] = defaultdict(list)  # (device, dtype, shape) -> (chunk, own)
         for k, chunk in enumerate(prep.plan.chunks):
             for piece in chunk.pieces:
                 p = prep.params[piece.index]
                 own = state.get(p)
-                if not own or (prep.flat[piece.index] and not (piece.start == 0 and piece.stop == local(p).numel())):
+                if not own or not prep.is_whole(piece):
                     continue
                 for key, value in own.items():
                     if isinstance(value, torch.Tensor) and not is_swapped_state(p, key, value):
-                        owners.append((k, (value.device, value.dtype, value.shape), value))
-        groups: dict[tuple, list[int]] = defaultdict(list)
-        for i, (_, group, _) in enumerate(owners):
-            groups[group].append(i)
-        old: list[torch.Tensor | None] = [None] * len(owners)
-        for members in groups.values():
-            for i, row in zip(members, torch.stack([owners[i][2] for i in members]).unbind(0)):
-                old[i] = row
+                        by_kind[(value.device, value.dtype, value.shape)].append((k, value))
         per_chunk: list[tuple[list, list]] = [([], []) for _ in prep.plan.chunks]
-        for (k, _, value), row in zip(owners, old):
-            per_chunk[k][0].append(value)
-            per_chunk[k][1].append(row)
+        for members in by_kind.values():
+            rows = torch.stack([value for _, value in members]).unbind(0)
+            for (k, value), row in zip(members, rows):
+                per_chunk[k][0].append(value)
+                per_chunk[k][1].append(row)
         return [[pair] if pair[0] else [] for pair in per_chunk]
 
     # ----- stage 4: swap-out and publish --------------------------------------------------------

@@ -13,7 +13,6 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -21,24 +20,16 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 import device
-from dist_utils import live_device_bytes
+from dist_utils import live_device_bytes, sharded_mlp
 from swapopt import SwapOptimizer
 
 
 def build(world_size: int, plain: bool):
-    torch.manual_seed(0)
     # 7, 5 and 3 rows: uneven shards on 2 ranks (4+3, 3+2, 2+1).
-    model = nn.Sequential(nn.Linear(6, 7), nn.Tanh(), nn.Linear(7, 5), nn.Tanh(), nn.Linear(5, 3))
-    mesh = init_device_mesh("cpu", (world_size,))
-    for layer in model:
-        if isinstance(layer, nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    model = sharded_mlp((6, 7, 5, 3), world_size)
     inner = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=True)
     opt = inner if plain else SwapOptimizer(inner, swap_optimizer_times=3)
     return model, opt

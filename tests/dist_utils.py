@@ -135,6 +135,25 @@ def make_model(seed: int = 0) -> nn.Module:
     return nn.Sequential(nn.Linear(16, 24), nn.Tanh(), nn.Linear(24, 8))
 
 
+def sharded_mlp(dims: tuple[int, ...], world_size: int) -> nn.Module:
+    """Linear layers of ``dims`` with Tanh between them (seed 0), each and the root sharded with FSDP2's
+    fully_shard on a CPU mesh of ``world_size`` ranks (a process group must exist)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for i, (a, b) in enumerate(zip(dims, dims[1:])):
+        layers += [nn.Linear(a, b)] + ([nn.Tanh()] if i < len(dims) - 2 else [])
+    model = nn.Sequential(*layers)
+    mesh = init_device_mesh("cpu", (world_size,))
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
 def copy_model(model: nn.Module) -> nn.Module:
     """A new model (device memory when a simulator is active, unlike copy.deepcopy) with ``model``'s values."""
     new = make_model()

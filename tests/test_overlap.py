@@ -7,7 +7,6 @@ import pytest
 import torch
 from torch import nn
 
-import device
 from device.sim import StreamRaceError
 from swapopt import SwapAdamW, SwapConfig, SwapOptimizer
 
@@ -21,6 +20,15 @@ def _mlp(seed: int = 0, width: int = 32, depth: int = 4) -> nn.Sequential:
     for _ in range(depth):
         layers += [nn.Linear(width, width), nn.Tanh()]
     return nn.Sequential(*layers, nn.Linear(width, 4))
+
+
+def _three_steps(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    """Three steps of the width-32 _mlp on seeded inputs: zero_grad, forward, backward, step."""
+    torch.manual_seed(1)
+    for _ in range(3):
+        opt.zero_grad(set_to_none=True)
+        model(torch.randn(8, 32)).square().mean().backward()
+        opt.step()
 
 
 def _inner(kind: str, params) -> torch.optim.Optimizer:
@@ -274,11 +282,7 @@ def test_resident_params_are_updated_on_the_update_stream_too(sim):
             swap_optimizer_times=CHUNKS, resident_mb=0.02, overlap_forward=overlap,
         )  # fmt: skip
         opt.attach(model)
-        torch.manual_seed(1)
-        for _ in range(3):
-            opt.zero_grad(set_to_none=True)
-            model(torch.randn(8, 32)).square().mean().backward()
-            opt.step()
+        _three_steps(model, opt)
         assert opt._layout.prepared.resident, "some params stay resident"
         if overlap:
             assert all(p in opt.operate.pending for p in opt._layout.prepared.resident)
@@ -297,11 +301,7 @@ def test_updates_stream_in_registration_order_not_group_order(sim):
         groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
         opt = SwapOptimizer(torch.optim.AdamW(groups, lr=1e-2, foreach=True), swap_optimizer_times=CHUNKS, overlap_forward=overlap)
         opt.attach(model)
-        torch.manual_seed(1)
-        for _ in range(3):
-            opt.zero_grad(set_to_none=True)
-            model(torch.randn(8, 32)).square().mean().backward()
-            opt.step()
+        _three_steps(model, opt)
         opt.wait_for_update()
         first = {opt._layout.prepared.params[pc.index] for pc in opt._layout.prepared.plan.chunks[0].pieces}
         return first, model, [p.detach().clone() for p in model.parameters()]

@@ -16,9 +16,7 @@ STEPS = 4
 
 def _rank(mode: str, out: str) -> None:
     import torch.distributed as dist
-    from torch import nn
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from dist_utils import sharded_mlp
 
     import device
     from swapopt import SwapOptimizer
@@ -26,13 +24,7 @@ def _rank(mode: str, out: str) -> None:
     assert device.get_device() == "sim"
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(12, 16), nn.Tanh(), nn.Linear(16, 9), nn.Tanh(), nn.Linear(9, 3))
-    mesh = init_device_mesh("cpu", (world,))
-    for layer in model:
-        if isinstance(layer, nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    model = sharded_mlp((12, 16, 9, 3), world)
     inner = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=True)
     opt = SwapOptimizer(inner, swap_optimizer_times=3, overlap_forward=mode == "on")
     opt.attach(model)  # after fully_shard: the unit hooks run before FSDP's all-gather

@@ -179,6 +179,14 @@ def _mixed(seed: int = 0):
     return [torch.nn.Parameter(torch.randn(NUMEL)) for _ in range(N)] + [torch.nn.Parameter(torch.randn(4000))]
 
 
+def _mixed_pair():
+    """_mixed params under SwapOptimizer(fused AdamW) and a copy of them under the plain optimizer."""
+    params = _mixed()
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = SwapOptimizer(torch.optim.AdamW(params, lr=1e-2, fused=True), swap_optimizer_times=K)
+    return params, ref, opt, torch.optim.AdamW(ref, lr=1e-2, fused=True)
+
+
 def _mixed_grads(params, ref, step):
     g = torch.Generator().manual_seed(200 + step)
     for p, q in zip(params, ref):
@@ -196,10 +204,7 @@ def _check_parity(opt, params, ref, ref_opt):
 
 
 def test_cache_hit_reuses_plan_groups_and_targets_and_sees_lr_changes(sim):
-    params = _mixed()
-    ref = [torch.nn.Parameter(p.detach().clone()) for p in params]
-    opt = SwapOptimizer(torch.optim.AdamW(params, lr=1e-2, fused=True), swap_optimizer_times=K)
-    ref_opt = torch.optim.AdamW(ref, lr=1e-2, fused=True)
+    params, ref, opt, ref_opt = _mixed_pair()
     seen = None
     for step in range(4):
         _mixed_grads(params, ref, step)
@@ -222,10 +227,7 @@ def test_cache_hit_reuses_plan_groups_and_targets_and_sees_lr_changes(sim):
 
 
 def test_grad_that_becomes_none_replans_and_is_not_stepped(sim):
-    params = _mixed()
-    ref = [torch.nn.Parameter(p.detach().clone()) for p in params]
-    opt = SwapOptimizer(torch.optim.AdamW(params, lr=1e-2, fused=True), swap_optimizer_times=K)
-    ref_opt = torch.optim.AdamW(ref, lr=1e-2, fused=True)
+    params, ref, opt, ref_opt = _mixed_pair()
     for step in range(4):
         _mixed_grads(params, ref, step)
         if step == 2:
@@ -242,10 +244,7 @@ def test_grad_that_becomes_none_replans_and_is_not_stepped(sim):
 
 
 def test_state_replaced_by_hand_is_caught_on_a_cache_hit(sim):
-    params = _mixed()
-    ref = [torch.nn.Parameter(p.detach().clone()) for p in params]
-    opt = SwapOptimizer(torch.optim.AdamW(params, lr=1e-2, fused=True), swap_optimizer_times=K)
-    ref_opt = torch.optim.AdamW(ref, lr=1e-2, fused=True)
+    params, ref, opt, ref_opt = _mixed_pair()
     before = None
     for step in range(4):
         _mixed_grads(params, ref, step)
