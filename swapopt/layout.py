@@ -327,7 +327,7 @@ class HostLayout:
 
     def prepare(self, params: list[torch.Tensor], groups: list[int]) -> Prepared:
         prep = self.prepared
-        if prep is not None and prep.watch_dicts is not None and self.still_valid(prep, params, groups):
+        if prep is not None and self.still_valid(prep, params, groups):
             return prep
         for p in params:  # resident params keep device states: nothing to check for them
             if p not in self.resident and not self.check_host(p):

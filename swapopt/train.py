@@ -188,12 +188,13 @@ def run(cfg: EngineConfig, console: Console, label: str = "train", modeled: bool
             while engine.step < tcfg.steps:
                 m = engine.train_step()
                 step = m.step
-                logged = main_rank and (step % tcfg.log_interval == 0 or step in (1, tcfg.steps))
+                at_log = step % tcfg.log_interval == 0 or step in (1, tcfg.steps)
+                logged = main_rank and at_log
                 saving = bool(tcfg.checkpoint_dir and tcfg.checkpoint_interval and step % tcfg.checkpoint_interval == 0)
                 rollout = bool(cfg.rl and step % cfg.rl.rollout_every == 0 and step < tcfg.steps)
                 # Reading metrics waits for the device, so they are read in batches: at the log interval, before
                 # a checkpoint or a rollout (the file then holds every step up to it) and at the end.
-                due = step % tcfg.log_interval == 0 or step in (1, tcfg.steps) or saving or rollout
+                due = at_log or saving or rollout
                 with bookkeeping():  # a Ctrl-C here waits until the step is queued (and, when due, written) once
                     state["step"] = engine.step
                     unwritten.append(m)
