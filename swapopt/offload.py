@@ -26,6 +26,7 @@ def offload(opt: torch.optim.Optimizer, empty_cache: bool = False) -> None:
     """Free the device memory the optimizer holds between steps; ``empty_cache`` also returns the
     allocator's cached blocks to the device. Idempotent; safe before the first step and after a failed one."""
     if isinstance(opt, SwapOptimizer):
+        opt.wait_for_update()  # the other phase reads the params (overlap_forward: an update may be pending)
         opt.wait_for_swap_out()  # in-flight D2H copies still read the staging buffers
         opt.release_staging()
         _evict(opt)

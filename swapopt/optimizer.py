@@ -206,7 +206,6 @@ class SwapOptimizer(torch.optim.Optimizer):
         # swapopt.offload (the package attribute) is the function, not the module: import from the module.
         from swapopt.offload import offload
 
-        self.wait_for_update()
         offload(self, empty_cache=empty_cache)
 
     def onload(self) -> None:
