@@ -9,6 +9,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from device.host_time import counted
+
 if TYPE_CHECKING:
     from device.sim import SimDevice
     from device.streams import SimStream
@@ -22,6 +24,7 @@ class _SimMode(TorchDispatchMode):
         super().__init__()
         self.sim = sim
 
+    @counted
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if active() is not self.sim:  # an outer simulator while an inner one is active
@@ -58,6 +61,7 @@ class _StreamTagMode(TorchFunctionMode):
         super().__init__()
         self.sim = sim
 
+    @counted
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         sim = self.sim

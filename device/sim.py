@@ -45,6 +45,7 @@ from device.costs import op_flops
 from device.dispatch import DEVICE, HOST_MEM, PAGEABLE, check_same_device, op_lane
 from device.dispatch import Arg as _Arg
 from device.dispatch import StorageInfo as _Storage
+from device.host_time import counted_methods
 from device.memory import Block, DeviceMemory
 from device.modes import _ACTIVE, _STREAM_TAG, _SimMode, _StreamTagMode, active
 from device.ops import OpInfo, arg_value, byte_range, factory_bytes, new_outputs, op_info, strided_layout, tensors
@@ -85,6 +86,11 @@ def _fmt_bytes(n: float) -> str:
 _PROCESS: list[SimDevice] = []
 
 
+# Host work of the simulator's own bookkeeping, which a device does not do: device.host_time counts it.
+@counted_methods(
+    "current_stream", "default_stream", "set_stream", "synchronize", "memory_allocated", "max_memory_allocated",
+    "reset_peak_memory_stats", "is_host", "pinned_empty", "record_stream",
+)
 class SimDevice:
     """The torch.cuda-like module surface of one simulated accelerator."""
 
@@ -584,6 +590,18 @@ class SimDevice:
         _ACTIVE.remove(self)
         if not _ACTIVE:
             entry_points.uninstall()
+
+    @contextmanager
+    def untagged(self) -> Iterator[None]:
+        """Leave autograd nodes made in the block untagged with their stream (see _StreamTagMode): for
+        code that records no backward graph, so that the tagging mode's per-call host cost, which a device
+        does not have, stays out of host-time measurements. Backward ops of nodes made inside would run on
+        the default stream."""
+        self._grad_mode.__exit__(None, None, None)
+        try:
+            yield
+        finally:
+            self._grad_mode.__enter__()
 
     def _label(self) -> str | None:
         return self._labels[-1] if self._labels else None

@@ -8,12 +8,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from device.host_time import counted_methods
 from device.sanitizer import Clock
 
 if TYPE_CHECKING:
     from device.sim import SimDevice
 
 
+@counted_methods("__init__", "wait_event", "wait_stream", "record_event", "synchronize", "query", "__enter__", "__exit__")
 class SimStream:
     """A stream of the simulated device. Created through `SimDevice.Stream(...)`."""
 
@@ -61,6 +63,7 @@ class SimStream:
         return f"<sim Stream {self.name}>"
 
 
+@counted_methods("__init__", "record", "wait", "query", "synchronize", "elapsed_time")
 class SimEvent:
     """An event of the simulated device. Created through `SimDevice.Event(...)`."""
 

@@ -1,13 +1,14 @@
 """Pinned host arenas laid out like a chunk's slot, and the merged copies that move a chunk at once.
 
-The states an element-wise optimizer creates for whole (unsplit) params of one chunk are packed, in
-region order and without padding (pinned bytes stay equal to state bytes), into one pinned buffer.
-The slot packs regions that are adjacent in an arena the same way (``adjacent``), so such regions form
-one run, moved by one H2D and one D2H copy of raw bytes instead of one copy per (param, state).
+The states an element-wise optimizer creates for the params of one chunk are packed, in region order
+and without padding (pinned bytes stay equal to state bytes), into one pinned buffer; chunks joined by
+a param split across them share one, where that param's states lie whole (swapopt.layout). The slot
+packs regions that are adjacent in an arena the same way (``adjacent``), so such regions form one run,
+moved by one H2D and one D2H copy of raw bytes instead of one copy per (param, state).
 
 Only storages allocated here are merged, and only regions that touch: a run's copy never writes a byte
-that belongs to no state of the chunk. Any other host tensor (a state the user replaced, a split
-param's state) keeps a copy of its own.
+that belongs to no state of the chunk. Any other host tensor (a state the user replaced, say) keeps a
+copy of its own.
 """
 
 from __future__ import annotations

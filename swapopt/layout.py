@@ -394,32 +394,46 @@ class HostLayout:
         )  # fmt: skip
         return self.prepared
 
+    @staticmethod
+    def arena_groups(plan: Plan) -> list[list[Any]]:
+        """The plan's chunks grouped by arena: a chunk that starts with a later piece of a param split
+        across chunks shares the arena of the chunk before it, where the param's states lie whole."""
+        groups: list[list[Any]] = []
+        for chunk in plan.chunks:
+            if groups and chunk.pieces and chunk.pieces[0].start > 0:
+                groups[-1].append(chunk)
+            else:
+                groups.append([chunk])
+        return groups
+
     def relayout(self, plan: Plan, params: list[torch.Tensor], flat: list[bool]) -> None:
         """Host states that exist before they are first swapped (loaded by load_state_dict, built by the
         optimizer's constructor, adopted at wrap time) or that an earlier plan placed for other chunks
         move into one pinned arena per chunk, in region order, so each chunk moves in one copy each way
         (swapopt.arena). Costs one host-side copy per state, only when the plan changes.
 
-        Whole params only: a state of a param split across chunks is one tensor whose pieces lie in two
-        chunks, so it cannot sit inside both chunks' runs; those keep a copy per piece."""
+        A param split across chunks keeps each state one tensor, laid whole where its first piece is: the
+        chunks it spans share one arena, and each of them moves in one copy per state each way (the first
+        state's piece joins the run before it, the last state's piece the run after it)."""
         moves: list[list[tuple[torch.Tensor, str, torch.Tensor]]] = []
-        for chunk in plan.chunks:
+        for group in self.arena_groups(plan):
             want: list[tuple[torch.Tensor, str, torch.Tensor]] = []
-            for piece in chunk.pieces:
-                p = params[piece.index]
-                entry = self.host.get(p)
-                if flat[piece.index] or entry is None:
-                    continue
-                for key, stored, loc in zip(entry.keys, entry.stored, entry.locals):
-                    if loc.numel() and hoststate.is_dense(loc):
-                        want.append((p, key, stored))
+            for chunk in group:
+                for piece in chunk.pieces:
+                    p = params[piece.index]
+                    entry = self.host.get(p)
+                    if entry is None or piece.start > 0:  # a later piece: placed with the first
+                        continue
+                    for key, stored, loc in zip(entry.keys, entry.stored, entry.locals):
+                        if loc.numel() and hoststate.is_dense(loc):
+                            want.append((p, key, stored))
             if not self.packed([local(s) for _, _, s in want]):
                 moves.append(want)
         if not moves:
             return
         self.opt.operate.wait_for_swap_out()  # the last step's swap-outs still write these states
         nstates = nbytes = 0
-        while moves:  # chunk by chunk, so the old copies are let go of as the new ones are filled
+        while moves:  # arena by arena, so the old copies are let go of as the new ones are filled
             want = moves.pop(0)
             placed: list[tuple[torch.Tensor, str, torch.Tensor, int]] = []
             end = 0
@@ -492,12 +506,13 @@ class HostLayout:
         out: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
         if not self.elementwise or prep.preallocated:
             return out
-        for chunk in prep.plan.chunks:
-            # Whole params whose states are all param-shaped go into one arena per chunk, at the offsets
-            # their regions take in the slot, so the chunk's states later move in one copy (swapopt.arena).
+        for group in self.arena_groups(prep.plan):
+            # Params whose states are all param-shaped go into one arena per group of chunks (see relayout),
+            # at the offsets their regions take in the slot, so each chunk's states later move in one copy
+            # per run (swapopt.arena); a split param's states lie whole where its first piece is.
             placed: list[tuple[torch.Tensor, str, torch.dtype, int]] = []
             end = 0
-            for piece in chunk.pieces:
+            for piece in (pc for chunk in group for pc in chunk.pieces):
                 i = piece.index
                 p = prep.params[i]
                 if p in out or p in self.host or p in self.resident or self.state.get(p):
@@ -506,9 +521,8 @@ class HostLayout:
                 if probed is None:
                     continue
                 loc = local(p)
-                whole = piece.start == 0 and piece.stop == loc.numel()
                 gathered = prep.flat[i] and p.grad is not None and not hoststate.same_layout(local(p.grad), loc)
-                if not whole or gathered or not all(shaped for _, _, shaped in probed[1]):
+                if piece.start > 0 or gathered or not all(shaped for _, _, shaped in probed[1]):
                     out[p] = {key: new_host_like(p, dtype) for key, dtype, shaped in probed[1] if shaped}
                     continue
                 out[p] = {}

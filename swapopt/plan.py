@@ -15,7 +15,17 @@ from typing import Iterable, Sequence
 
 DEFAULT_ALIGN = 512  # elements; 2 KiB of fp32, a multiple of every CPU/GPU vector width
 SLOT_ALIGN = 64  # bytes; every slot region starts on a cache line (and a 16-byte vector boundary)
-EXTRA_CHUNKS = 1.5  # with swap_optimizer_times=T, up to 1.5 T chunks of the even size to keep params whole
+EXTRA_CHUNKS = 1.5  # with swap_optimizer_times=T, up to 1.5 T chunks to keep params whole
+# Note [ramp]: the step's first swap-in is the one copy nothing overlaps (the swap-out lane idles until the
+# first update is done), and with overlap_forward the next forward waits for it. So the first chunks are
+# cut smaller, 1/2**RAMP, ..., 1/4, 1/2 of the budget, each swap-out then covering the next, larger
+# swap-in. Ramp chunks below RAMP_MIN_BYTES are left out: below it a chunk's launches cost more host time
+# than its copy takes on the link, and a tiny state has no fill worth hiding. Plans of fewer than
+# RAMP_MIN_CHUNKS chunks have none: the fill is a large share of any short pipeline, but a user asking for
+# a few chunks asks for that many.
+RAMP = 3
+RAMP_MIN_BYTES = 512 << 10
+RAMP_MIN_CHUNKS = 8
 
 
 @dataclass(frozen=True)
@@ -79,8 +89,18 @@ class Plan:
         return sum(c.nbytes for c in self.chunks)
 
 
+def ramp_budgets(budget: int) -> tuple[int, ...]:
+    """Budgets of the first, smaller chunks of a plan with chunks of ``budget`` bytes (Note [ramp])."""
+    return tuple(b for b in (budget >> j for j in range(RAMP, 0, -1)) if b >= RAMP_MIN_BYTES)
+
+
 def chunk_pieces(
-    sizes: Sequence[ParamSize], budget: int, align: int = DEFAULT_ALIGN, *, keep_whole: bool = False
+    sizes: Sequence[ParamSize],
+    budget: int,
+    align: int = DEFAULT_ALIGN,
+    *,
+    keep_whole: bool = False,
+    ramp: Sequence[int] = (),
 ) -> list[Chunk]:
     """Greedy, order-preserving cut of ``sizes`` into chunks of at most ``budget`` state bytes.
 
@@ -88,25 +108,31 @@ def chunk_pieces(
     the budget, or a single ``align``-element block of a splittable param. With ``keep_whole`` a
     splittable param that fits an empty chunk starts a new chunk instead of being cut: only params
     larger than the budget are split (a split param costs extra work on the failure path).
+    ``ramp``: smaller budgets of the first chunks (Note [ramp]), which cut splittable params even with
+    ``keep_whole``.
     """
     if align < 1:
         raise ValueError(f"align must be >= 1, got {align}")
-    budget = max(int(budget), 1)
+    full = max(int(budget), 1)
+    ramp = [min(max(int(b), 1), full) for b in ramp]
     chunks: list[Chunk] = []
     pieces: list[Piece] = []
     used = 0
+    budget = ramp[0] if ramp else full  # of the chunk being filled
 
     def close() -> None:
-        nonlocal pieces, used
+        nonlocal pieces, used, budget
         if pieces:
             chunks.append(Chunk(tuple(pieces), used))
+            budget = ramp[len(chunks)] if len(chunks) < len(ramp) else full
         pieces, used = [], 0
 
     for size in sizes:
         if size.numel < 0 or size.state_bytes < 0:
             raise ValueError(f"negative size in {size}")
         pad = size.pad_bytes
-        fits_whole = keep_whole and size.state_bytes + pad <= budget
+        # ramp chunks cut params to their budget: one whole param there would undo the ramp
+        fits_whole = keep_whole and size.state_bytes + pad <= full and len(chunks) >= len(ramp)
         if not size.splittable or fits_whole or size.numel == 0 or size.state_bytes == 0:
             if pieces and size.state_bytes and used + size.state_bytes + pad > budget:
                 close()  # a full chunk is closed by the next piece that carries bytes
@@ -178,9 +204,9 @@ def make_plan(
 
     With ``chunk_bytes`` the budget is fixed and params that fit a chunk stay whole. Otherwise the
     budget is about the swapped bytes divided by ``times``: raised to keep params whole when that
-    costs at most 25% more per chunk, or kept (same bound) with up to ``EXTRA_CHUNKS`` x ``times``
-    chunks when that keeps them whole; else the smallest budget that keeps alignment rounding from
-    adding chunks beyond ``times``.
+    costs at most 25% more per chunk; failing that, the fewest chunks within that same bound that keep
+    them whole, if at most ``EXTRA_CHUNKS`` x ``times``; else the smallest budget that keeps alignment
+    rounding from adding chunks beyond ``times``. Either way the first chunks ramp up (Note [ramp]).
     """
     if times < 1:
         raise ValueError(f"swap_optimizer_times must be >= 1, got {times}")
@@ -191,7 +217,8 @@ def make_plan(
     total = sum(s.state_bytes + s.pad_bytes for s in swapped)
     if chunk_bytes is not None:
         budget = max(1, int(chunk_bytes))
-        chunks = chunk_pieces(swapped, budget, align, keep_whole=True)
+        ramp = ramp_budgets(budget) if total >= RAMP_MIN_CHUNKS * budget else ()
+        chunks = chunk_pieces(swapped, budget, align, keep_whole=True, ramp=ramp)
     else:
         # Prefer whole params (no cuts at chunk boundaries): a cut costs a copy per state and direction at
         # each chunk boundary and extra work on the failure path. Keep them whole when that costs at most
@@ -202,11 +229,15 @@ def make_plan(
         budget = _smallest_budget(swapped, base, max(total, 1), times, align, keep_whole=True)
         keep_whole = budget <= limit
         if not keep_whole:
-            more = math.floor(times * EXTRA_CHUNKS)
-            budget = _smallest_budget(swapped, base, max(total, 1), more, align, keep_whole=True)
-            keep_whole = budget <= limit
+            # Every chunk costs a copy latency each way and a share of the launches: take the fewest chunks
+            # that keep params whole within the bound, and the smallest budget that gives that many.
+            fewest = len(chunk_pieces(swapped, limit, align, keep_whole=True))
+            if fewest <= math.floor(times * EXTRA_CHUNKS):
+                budget = _smallest_budget(swapped, base, limit, fewest, align, keep_whole=True)
+                keep_whole = True
         if not keep_whole:
             budget = _smallest_budget(swapped, base, max(total, 1), times, align, keep_whole=False)
-        chunks = chunk_pieces(swapped, budget, align, keep_whole=keep_whole)
+        ramp = ramp_budgets(budget) if times >= RAMP_MIN_CHUNKS else ()
+        chunks = chunk_pieces(swapped, budget, align, keep_whole=keep_whole, ramp=ramp)
     last = {p.index: k for k, c in enumerate(chunks) for p in c.pieces}
     return Plan(tuple(chunks), resident, budget, last)

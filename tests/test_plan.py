@@ -8,7 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from swapopt.plan import EXTRA_CHUNKS, ParamSize, Piece, budget_for, chunk_pieces, make_plan, pick_resident
+from swapopt.plan import (
+    EXTRA_CHUNKS, RAMP, RAMP_MIN_CHUNKS, ParamSize, Piece, budget_for, chunk_pieces, make_plan, pick_resident, ramp_budgets,
+)
 
 ALIGN = 8
 
@@ -78,8 +80,9 @@ def test_make_plan_times(sizes, times):
     assert plan.total_bytes == total
     swapped = [s for s in sizes if s.state_bytes > 0]
     if swapped and all(s.splittable for s in swapped):
-        assert len(plan.chunks) <= int(times * EXTRA_CHUNKS)
-        if len(plan.chunks) > times:  # extra chunks only to keep params whole, never larger ones
+        ramp = len(ramp_budgets(plan.budget)) if times >= RAMP_MIN_CHUNKS else 0
+        assert len(plan.chunks) <= int(times * EXTRA_CHUNKS) + ramp
+        if len(plan.chunks) > times + ramp:  # extra chunks only to keep params whole, never larger ones
             assert all(len([p for c in plan.chunks for p in c.pieces if p.index == s.index]) == 1
                        for s in swapped if s.state_bytes + s.pad_bytes <= plan.budget)
             assert plan.budget <= budget_for(total + sum(s.pad_bytes for s in sizes), times) * 5 // 4 + 1
@@ -105,8 +108,12 @@ def test_llm_shaped_plan_keeps_params_whole():
     numels = [4096 * 4096, 1024 * 4096, 1024 * 4096, 4096 * 4096, 11008 * 4096, 11008 * 4096, 4096 * 11008] * 32
     sizes = [ParamSize(i, n, 8 * n, True) for i, n in enumerate(numels)]
     plan = make_plan(sizes, times=16)
-    assert len(plan.chunks) <= 16
-    assert sum(len(c.pieces) for c in plan.chunks) == len(sizes)  # no param cut
+    ramp = len(ramp_budgets(plan.budget))
+    assert ramp == RAMP and len(plan.chunks) <= 16 + ramp
+    # no param cut, but in the smaller first chunks (Note [ramp])
+    after = [p for c in plan.chunks[ramp + 1 :] for p in c.pieces]
+    assert all(p.start == 0 and p.stop == sizes[p.index].numel for p in after)
+    assert all(plan.chunks[k].nbytes <= plan.budget >> (RAMP - k) for k in range(ramp))
     assert plan.max_chunk_bytes <= 1.25 * budget_for(plan.total_bytes, 16)
     # a param larger than a chunk is still cut, so the cap holds
     sizes.append(ParamSize(len(sizes), 32000 * 4096 * 8, 8 * 32000 * 4096 * 8, True))
@@ -193,7 +200,32 @@ def test_lumpy_layout_takes_more_chunks_of_the_even_size_rather_than_cut():
     sizes = [ParamSize(i, n, 8 * n, True) for i, n in enumerate(numels)]
     plan = make_plan(sizes, times=64, align=512)
     base = budget_for(sum(s.state_bytes for s in sizes), 64)
-    assert 64 < len(plan.chunks) <= 96
-    assert plan.max_chunk_bytes <= base
+    ramp = ramp_budgets(plan.budget)
+    assert 64 < len(plan.chunks) <= 96 + len(ramp)
+    assert plan.max_chunk_bytes <= base * 5 // 4
+    # the fewest chunks that keep params whole within a quarter more bytes than an even split (a chunk costs
+    # a copy latency each way), at the smallest budget that gives that many
+    fewest = len(chunk_pieces(sizes, base + base // 4, 512, keep_whole=True))
+    assert len(chunk_pieces(sizes, plan.budget, 512, keep_whole=True)) == fewest
+    assert len(chunk_pieces(sizes, plan.budget - 1, 512, keep_whole=True)) > fewest
+    # cut: the params larger than a chunk, and those the smaller first chunks hold
+    in_ramp = {p.index for c in plan.chunks[: len(ramp) + 1] for p in c.pieces}
     cut = {s.index for s in sizes if sum(p.index == s.index for c in plan.chunks for p in c.pieces) > 1}
-    assert cut == {s.index for s in sizes if s.state_bytes > plan.budget} and len(cut) == 2
+    assert cut - in_ramp == {s.index for s in sizes if s.state_bytes > plan.budget} - in_ramp
+
+
+def test_ramp_makes_the_first_chunks_smaller():
+    # 64 MiB of states in 16 chunks of 4 MiB: the first chunks take 1/8, 1/4 and 1/2 of the budget, so the first
+    # swap-in (which nothing overlaps) moves 0.5 MiB; each ramp budget is at least RAMP_MIN_BYTES.
+    sizes = [ParamSize(i, 1 << 20, 8 << 20, True) for i in range(8)]
+    plan = make_plan(sizes, times=16, align=512)
+    assert ramp_budgets(plan.budget) == (plan.budget >> 3, plan.budget >> 2, plan.budget >> 1)
+    assert [c.nbytes <= b for c, b in zip(plan.chunks, ramp_budgets(plan.budget))] == [True] * RAMP
+    assert plan.chunks[0].nbytes <= (4 << 20) // 8 + 64
+    assert 16 < len(plan.chunks) <= 16 + RAMP  # the ramp's 7/8 of a chunk: one chunk more, or more with cut remainders
+    _check_cover(sizes, plan.chunks)
+    # small states: no ramp chunk below RAMP_MIN_BYTES; few chunks: no ramp; either way K chunks stay K
+    small = [ParamSize(i, 1 << 10, 8 << 10, True) for i in range(16)]
+    assert ramp_budgets(make_plan(small, times=8).budget) == ()
+    assert len(make_plan(small, times=8).chunks) == 8
+    assert [len(make_plan(sizes, times=t, align=512).chunks) for t in (1, 2, 4)] == [1, 2, 4]

@@ -273,3 +273,46 @@ def test_steady_step_aten_ops_do_not_grow_with_tensors(sim, n):
     counts = count_call(opt.step)
     assert counts.h2d_copies == K and counts.d2h_copies == K
     assert counts.aten_ops <= 12 * K, counts
+
+
+@pytest.mark.parametrize("loaded", [False, True])
+def test_a_param_split_across_chunks_keeps_one_copy_per_state_and_chunk(sim, loaded):
+    # Params A (whole), P (cut across two chunks), B (whole), two states each: P's states lie whole in the
+    # arena the two chunks share, after A's and before B's, so chunk 0 moves [A's states, P.exp_avg[:m]] and
+    # P.exp_avg_sq[:m], chunk 1 moves P.exp_avg[m:] and [P.exp_avg_sq[m:], B's states]: 2 copies a chunk
+    # each way (one per state of the cut param), not a run plus one per piece and state.
+    sizes = (1024, 4096, 1024)
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(n)) for n in sizes]
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    ref_opt = torch.optim.AdamW(ref, lr=1e-2, fused=True)
+    # 32 KiB chunks: A's 8 KiB and most of P's 32 KiB, then the rest of P and B
+    opt = SwapOptimizer(torch.optim.AdamW(params, lr=1e-2, fused=True), chunk_mb=32 / 1024)
+    if loaded:  # states that exist before the first swapped step are re-laid out the same way
+        for q in ref:
+            q.grad = torch.ones_like(q)
+        ref_opt.step()
+        with torch.no_grad():
+            for p, q in zip(params, ref):
+                p.copy_(q)
+        opt.load_state_dict(copy.deepcopy(ref_opt.state_dict()))
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        for p, q in zip(params, ref):
+            p.grad = torch.randn(p.shape, generator=g)
+            q.grad = p.grad.clone()
+        sim.reset_timeline()
+        opt.step()
+        ref_opt.step()
+        plan = opt._layout.prepared.plan
+        assert len(plan.chunks) == 2 and [pc.index for pc in plan.chunks[0].pieces] == [0, 1]
+        lanes = _copies(sim)
+        if loaded or step:  # (a first step creates the states on the device: a copy out per piece and state)
+            assert lanes["h2d"] == 4 and lanes["d2h"] == 4, (step, lanes)
+    opt.wait_for_swap_out()
+    storages = {local(opt.state[p][k]).untyped_storage().data_ptr() for p in params for k in KEYS["adamw"]}
+    assert len(storages) == 1  # one arena
+    for p, q in zip(params, ref):
+        assert torch.equal(p, q)
+        for key in KEYS["adamw"]:
+            assert torch.equal(opt.state[p][key], ref_opt.state[q][key])

@@ -13,6 +13,7 @@ time, so host CPU time is measured on a separate, uncounted step.
 from __future__ import annotations
 
 import functools
+import gc
 import time
 from collections.abc import Callable
 from typing import Any
@@ -22,6 +23,7 @@ from pydantic import BaseModel
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import device
+from device import host_time
 from device.ops import op_info, tensors
 
 _PLAIN_DISPATCH = torch.Tensor.__torch_dispatch__
@@ -37,10 +39,16 @@ class StepCounts(BaseModel):
     h2d_bytes: int = 0
     d2h_bytes: int = 0
     # CPU seconds of the calling thread: over the whole call, inside launched ops (below this mode: on
-    # the simulator that is the device's own work, done by the host) and in this mode's bookkeeping.
+    # the simulator that is the device's own work, done by the host), inside every aten op, and in this
+    # mode's bookkeeping.
     cpu_s: float = 0.0
     launch_cpu_s: float = 0.0
+    op_cpu_s: float = 0.0
     counting_cpu_s: float = 0.0
+    # ... and inside the simulator's own frames (device.host_time) or this mode's, counted once, with
+    # the number of such outermost frames entered
+    outside_host_s: float = 0.0
+    outside_calls: int = 0
 
     def own_host_s(self, device_work_on_host: bool) -> float:
         """The call's own host work: its CPU time less this counter's cost and, when the device's work
@@ -48,6 +56,15 @@ class StepCounts(BaseModel):
         own = self.cpu_s - self.counting_cpu_s - self.aten_ops * _mode_entry_seconds()
         if device_work_on_host:
             own -= self.launch_cpu_s
+        return max(own, 0.0)
+
+    def python_host_s(self) -> float:
+        """The call's Python host work: its CPU time outside every aten op and every simulator frame (its
+        dispatch and function modes, streams, events), less this counter's cost. That is the work of the
+        Python that issues the ops, the figure that carries over to a GPU or NPU, where those frames are
+        C++ calls of a few microseconds (not counted here)."""
+        own = self.cpu_s - self.outside_host_s - self.aten_ops * _mode_entry_seconds()
+        own -= self.outside_calls * _frame_entry_seconds()
         return max(own, 0.0)
 
 
@@ -78,23 +95,32 @@ class LaunchCounter(TorchDispatchMode):
         # The simulator must be active below this mode, so the ops it sees are already classified.
         device.get_torch_device_module()
         self._start = time.thread_time()
+        self._outside, self._calls = host_time.seconds(), host_time.calls()
         return super().__enter__()
 
     def __exit__(self, *exc: object) -> None:
         super().__exit__(*exc)
         self.counts.cpu_s += time.thread_time() - self._start
+        self.counts.outside_host_s += host_time.seconds() - self._outside
+        self.counts.outside_calls += host_time.calls() - self._calls
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         for t in types:
             if t.__torch_dispatch__ is not _PLAIN_DISPATCH:
                 return NotImplemented  # tensor subclasses (DTensor) come back as their local ops
-        start = time.thread_time()
-        out = func(*args, **kwargs)
-        done = time.thread_time()
-        if func.namespace == "aten" and self._classify(func, args, kwargs, out):
-            self.counts.launch_cpu_s += done - start
-        self.counts.counting_cpu_s += time.thread_time() - done
+        host_time.enter()  # an op from C++ (no simulator frame above it) is outside Python work too
+        try:
+            start = time.thread_time()
+            out = func(*args, **kwargs)
+            done = time.thread_time()
+            if func.namespace == "aten":
+                self.counts.op_cpu_s += done - start
+                if self._classify(func, args, kwargs, out):
+                    self.counts.launch_cpu_s += done - start
+            self.counts.counting_cpu_s += time.thread_time() - done
+        finally:
+            host_time.leave()
         return out
 
     def _classify(self, func: Any, args: tuple, kwargs: dict, out: Any) -> bool:
@@ -151,10 +177,37 @@ def _mode_entry_seconds() -> float:
     return max(extra / n, 0.0)
 
 
+@functools.cache
+def _frame_entry_seconds() -> float:
+    """CPU time an outermost simulator frame costs beyond what it measures itself (torch calling into a
+    Python mode, the counting wrapper), calibrated on a tensor attribute read, which does no work of its
+    own (0 where no simulator frame runs)."""
+    x = torch.empty(1)
+    n = 4000
+
+    def reads() -> None:
+        for _ in range(n):
+            x.dim()
+
+    before, calls = host_time.seconds(), host_time.calls()
+    total = host_cpu_seconds(reads)
+    entered = host_time.calls() - calls
+    if entered == 0:
+        return 0.0
+    return max((total - (host_time.seconds() - before)) / entered, 0.0)
+
+
 def count_call(fn: Callable[[], Any]) -> StepCounts:
-    """Run `fn` once under a LaunchCounter and return what it dispatched."""
-    with LaunchCounter() as counter:
-        fn()
+    """Run `fn` once under a LaunchCounter and return what it dispatched. The garbage collector is off
+    meanwhile (as timeit does): a collection pass triggered inside would be counted as the call's host time."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with LaunchCounter() as counter:
+            fn()
+    finally:
+        if enabled:
+            gc.enable()
     return counter.counts
 
 
