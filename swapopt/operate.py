@@ -46,10 +46,6 @@ class Prefetched:
     h2d_events: dict[int, Any] = field(default_factory=dict)  # chunk -> event after its swap-in
     payload: Any = None  # the caller's per-chunk views of the slots
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.staging)
-
 
 class SwapOptimizerOperate:
     """Streams, staging slots and per-param events of one SwapOptimizer."""

@@ -349,12 +349,11 @@ def test_knob_plumbing_and_the_ignored_knob_warning(sim):
         SwapConfig().wrap(torch.optim.AdamW(model.parameters()))  # nothing to warn about
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
-def test_engine_prefetches_bitwise_and_never_makes_the_host_wait(sim, monkeypatch, overlap):
+def test_engine_prefetches_bitwise_and_never_makes_the_host_wait(sim, monkeypatch):
     from test_engine_overlap import HostWaits, engine, losses
 
-    off = losses(engine(f"optim.overlap_forward={overlap}"), 4)
-    e = engine(f"optim.overlap_forward={overlap}", "optim.prefetch=true")
+    off = losses(engine(), 4)
+    e = engine("optim.prefetch=true")  # prefetch alone: the engine attaches the optimizer for it too
     opt = e.optimizer
     issued = []
     real = opt.prefetch
@@ -366,3 +365,31 @@ def test_engine_prefetches_bitwise_and_never_makes_the_host_wait(sim, monkeypatc
     on += [m["loss"] for m in pending]
     assert on == off
     assert sum(issued) >= 2, issued  # the later steps ran on prefetched chunks
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
+def test_fsdp2_one_rank_prefetch_bitwise(pg, overlap):
+    from dist_utils import sharded_mlp
+
+    def run(prefetch: bool):
+        model = sharded_mlp((12, 16, 9, 3), 1)
+        inner = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=True)
+        opt = SwapOptimizer(inner, swap_optimizer_times=3, overlap_forward=overlap, prefetch=prefetch)
+        opt.attach(model)  # after fully_shard; the prefetch hook runs after FSDP's post-forward
+        used = 0
+        for step in range(STEPS):
+            g = torch.Generator().manual_seed(step)
+            opt.zero_grad(set_to_none=True)
+            loss = model(torch.randn(4, 12, generator=g)).pow(2).mean()
+            used += opt.operate.prefetched is not None
+            loss.backward()
+            opt.step()
+        opt.wait_for_update()
+        full = [p.full_tensor().clone() for p in model.parameters()]
+        opt.wait_for_swap_out()
+        return full, used
+
+    on, used = run(True)
+    off, _ = run(False)
+    assert used == STEPS - 2
+    assert all(torch.equal(a, b) for a, b in zip(on, off))
