@@ -123,7 +123,8 @@ class SwapOptimizer(torch.optim.Optimizer):
     the prefetched slots only if it runs the very plan they were made for; otherwise (load_state_dict,
     invalidate(), offload(), add_param_group, a param that lost its grad) they are dropped and the step
     swaps in as usual. Memory: the staging (slots x slot bytes) is held from the prefetch to the end of
-    the step instead of during step() only, a prefetch budget on top of the step's (slots + 1) x chunk.
+    the step instead of during step() only, a prefetch budget on top of the step's (slots + 1) x chunk
+    (with gradient accumulation: from the first micro-batch's forward on).
     Host states must not be written in place between a prefetch and the step (load_state_dict and the
     other swapopt entry points drop the prefetch first).
     """

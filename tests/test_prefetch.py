@@ -393,3 +393,28 @@ def test_fsdp2_one_rank_prefetch_bitwise(pg, overlap):
     off, _ = run(False)
     assert used == STEPS - 2
     assert all(torch.equal(a, b) for a, b in zip(on, off))
+
+
+@pytest.mark.parametrize("knobs", [{"resident_mb": 0.02}, {"chunk_mb": 3 / 1024}], ids=["resident", "split"])
+def test_resident_and_split_params_bitwise(sim, knobs):
+    model, twin = _mlp(), _mlp()
+    opt = SwapOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True), prefetch=True, **knobs)
+    opt.attach(model)
+    ref = torch.optim.AdamW(twin.parameters(), lr=1e-2, foreach=True)
+    torch.manual_seed(1)
+    used = 0
+    for _ in range(STEPS):
+        x = torch.randn(8, 32)
+
+        def count(m, o):
+            nonlocal used
+            used += o is opt and o.operate.prefetched is not None
+
+        _step_both(model, opt, twin, ref, x, count)
+    prep = opt._layout.prepared
+    if "resident_mb" in knobs:
+        assert prep.resident, "some params stay resident"
+    else:
+        assert any(pc.start > 0 for c in prep.plan.chunks for pc in c.pieces), "no param is split"
+    assert used == STEPS - 2
+    _assert_bitwise(model, opt, twin, ref)
