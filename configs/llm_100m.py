@@ -16,6 +16,7 @@ optim = dict(
     swap_optimizer_times=16,
     slots=3,
     overlap_forward=True,  # the update of step N streams under the forward of step N + 1
+    prefetch=True,  # the first chunks of step N stream in under its backward
 )
 lr = dict(warmup_steps=100, min_lr_ratio=0.1)
 train = dict(

@@ -20,7 +20,7 @@ from swapopt.optimizer import SwapOptimizer
 __all__ = ["SwapAdam", "SwapAdamW", "swap_class"]
 
 # Keyword-only in the class form too, so a positional argument can never land in a swap knob by accident.
-_SWAP_KNOBS = ("swap_optimizer_times", "chunk_mb", "slots", "resident_mb", "per_param", "overlap_forward")
+_SWAP_KNOBS = ("swap_optimizer_times", "chunk_mb", "slots", "resident_mb", "per_param", "overlap_forward", "prefetch")
 
 # One class per optimizer class, so two calls for the same optimizer give the same class (isinstance holds).
 _CLASSES: dict[type, type[SwapOptimizer]] = {}
@@ -29,7 +29,8 @@ _CLASSES: dict[type, type[SwapOptimizer]] = {}
 def swap_class(optimizer_cls: type[torch.optim.Optimizer]) -> type[SwapOptimizer]:
     """A ``SwapOptimizer`` subclass built like ``optimizer_cls``: ``(params, *args, **kwargs)`` with
     ``optimizer_cls``'s own arguments, plus the keyword-only swap knobs ``swap_optimizer_times=16``,
-    ``chunk_mb=None``, ``slots=3``, ``resident_mb=0``, ``per_param=False``, ``overlap_forward=False``.
+    ``chunk_mb=None``, ``slots=3``, ``resident_mb=0``, ``per_param=False``, ``overlap_forward=False``,
+    ``prefetch=False``.
 
     Unsupported optimizers (LBFGS, SparseAdam, flat-buffer fused ones) are refused here, by class, when
     the class alone decides it, and otherwise at construction, as ``SwapOptimizer`` refuses them.
@@ -61,6 +62,7 @@ def _make_class(optimizer_cls: type[torch.optim.Optimizer]) -> type[SwapOptimize
         resident_mb: float = 0.0,
         per_param: bool = False,
         overlap_forward: bool = False,
+        prefetch: bool = False,
         **kwargs: Any,
     ) -> None:
         SwapOptimizer.__init__(
@@ -72,6 +74,7 @@ def _make_class(optimizer_cls: type[torch.optim.Optimizer]) -> type[SwapOptimize
             resident_mb=resident_mb,
             per_param=per_param,
             overlap_forward=overlap_forward,
+            prefetch=prefetch,
         )
 
     name = f"Swap{optimizer_cls.__name__}"
@@ -86,7 +89,7 @@ def _make_class(optimizer_cls: type[torch.optim.Optimizer]) -> type[SwapOptimize
     inner_params = [p for p in inner.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
     knobs = [
         inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=d, annotation=a)
-        for k, d, a in zip(_SWAP_KNOBS, (16, None, 3, 0.0, False, False), (int, float | None, int, float, bool, bool))
+        for k, d, a in zip(_SWAP_KNOBS, (16, None, 3, 0.0, False, False, False), (int, float | None, int, float, bool, bool, bool))
     ]
     positional = [p for p in inner_params if p.kind is not inspect.Parameter.KEYWORD_ONLY]
     keyword_only = [p for p in inner_params if p.kind is inspect.Parameter.KEYWORD_ONLY]
@@ -101,7 +104,7 @@ def _make_class(optimizer_cls: type[torch.optim.Optimizer]) -> type[SwapOptimize
         "__doc__": (
             f"``{optimizer_cls.__name__}`` whose states live in pinned host memory and stream through the "
             "accelerator in chunks during step(); bitwise the same updates. Keyword-only swap knobs: "
-            "swap_optimizer_times, chunk_mb, slots, resident_mb, per_param, overlap_forward."
+            "swap_optimizer_times, chunk_mb, slots, resident_mb, per_param, overlap_forward, prefetch."
         ),
         "inner_class": optimizer_cls,
     }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Optional
 
 import torch
@@ -21,6 +22,12 @@ class SwapConfig(BaseModel):
     ``overlap_forward``: run the updates on their own stream and let the next forward start under them,
     each module waiting only for its own params (SwapOptimizer.attach(model) must be called; user code
     reading params or states outside a forward calls SwapOptimizer.wait_for_update() first).
+    ``prefetch``: swap in the first ``slots - 1`` chunks of the next step right after the forward, so they
+    stream in under the backward and the first update starts at once; the forward hook comes with
+    SwapOptimizer.attach(model) (without it nothing is prefetched). Holds the staging (slots x slot bytes)
+    from the forward to the end of step: a prefetch budget on top of the step's (slots + 1) x chunk.
+    ``overlap_forward`` and ``prefetch`` need ``swap_optimizer=True``; without it wrap() warns that they
+    are ignored.
     """
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -32,10 +39,19 @@ class SwapConfig(BaseModel):
     resident_mb: float = Field(default=0.0, ge=0)
     per_param: bool = False
     overlap_forward: bool = False
+    prefetch: bool = False
 
     def wrap(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Return ``optimizer`` wrapped in a SwapOptimizer, or unchanged when swapping is off."""
         if not self.swap_optimizer:
+            ignored = [k for k in ("overlap_forward", "prefetch") if getattr(self, k)]
+            if ignored:
+                # A warning, not an error: configs switch swap_optimizer off alone to get the resident baseline.
+                warnings.warn(
+                    f"swapopt: {' and '.join(f'{k}=True' for k in ignored)} has no effect with swap_optimizer=False; "
+                    f"the optimizer is returned unwrapped",
+                    stacklevel=2,
+                )
             return optimizer
         from swapopt.optimizer import SwapOptimizer
 
@@ -49,4 +65,5 @@ class SwapConfig(BaseModel):
             resident_mb=self.resident_mb,
             per_param=self.per_param,
             overlap_forward=self.overlap_forward,
+            prefetch=self.prefetch,
         )

@@ -31,6 +31,8 @@ def getstate(opt: Any) -> dict[str, Any]:
         "slots": opt.operate.slots,
         "resident_mb": opt.resident_mb,
         "per_param": opt.per_param,
+        "overlap_forward": opt.overlap_forward,  # the copy needs its own attach(model), as the original did
+        "prefetch": opt.prefetch_enabled,
         "stats": opt._stats.model_dump(),
         # Device scalars an offload moved to the host: the copy moves its own back at onload or its next step.
         "offloaded": [(p, key, str(dev)) for (p, key), dev in offloaded_scalars(opt).items()],
@@ -54,6 +56,8 @@ def setstate(opt: Any, state: dict[str, Any]) -> None:
         slots=state["slots"],
         resident_mb=state["resident_mb"],
         per_param=state.get("per_param", False),
+        overlap_forward=state.get("overlap_forward", False),  # absent in copies made before these knobs
+        prefetch=state.get("prefetch", False),
     )
     opt._stats = type(opt._stats).model_validate(state["stats"])
     remember_offloaded(opt, {(p, key): torch.device(dev) for p, key, dev in state.get("offloaded", ())})

@@ -15,12 +15,16 @@ With ``overlap`` on, the updates run on a fourth, dedicated update stream instea
 stream (see swapopt.overlap): it waits for the step's entry event and each chunk's swap-in, and each
 param's "updated" event (recorded after the chunk holding its last piece) is left pending for the
 next forward to wait on, so step() returns without the compute stream waiting for anything.
-Nothing here knows about optimizers.
+With prefetch (``prefetch_begin``), the staging and the swap-ins of the first S-1 chunks are issued
+before the step, typically right after the forward, so they run under the loss and the backward; the
+step's ``begin`` then adopts them instead of allocating and swapping in again, or ``discard_prefetch``
+drops them. Nothing here knows about optimizers.
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Sequence
 
 import torch
@@ -28,6 +32,19 @@ import torch
 import device
 
 Copies = Sequence[tuple[torch.Tensor, torch.Tensor]]  # (dst, src)
+
+
+@dataclass(eq=False)
+class Prefetched:
+    """Staging allocated ahead of a step and the swap-ins queued into it (see prefetch_begin)."""
+
+    n_chunks: int
+    nslots: int
+    staging: list[torch.Tensor]
+    stream: Any  # the stream the staging was allocated on (the current one at prefetch time)
+    token: Any  # what the caller prefetched for (its plan); the step compares it before adopting
+    h2d_events: dict[int, Any] = field(default_factory=dict)  # chunk -> event after its swap-in
+    payload: Any = None  # the caller's per-chunk views of the slots
 
 
 class SwapOptimizerOperate:
@@ -63,6 +80,8 @@ class SwapOptimizerOperate:
         self._swap_in: dict[torch.Tensor, Any] = {}
         self._update: dict[torch.Tensor, Any] = {}
         self._swap_out: dict[torch.Tensor, Any] = {}
+        self.prefetched: Prefetched | None = None  # staging and swap-ins issued ahead of the next step
+        self._staging_stream: Any = None  # where the running step's staging was allocated, if not on _compute
 
     # ----- streams ---------------------------------------------------------------------------
     def bind(self, mod: Any) -> None:
@@ -70,7 +89,7 @@ class SwapOptimizerOperate:
         if mod is self.mod:
             return
         if self.mod is not None:
-            self.release_staging()
+            self.release_staging()  # also discards a prefetch: its events belong to the old module
             self.sync_updates()
         self.mod, self._h2d, self._d2h, self._upd = mod, None, None, None
         self._last_d2h = None
@@ -152,20 +171,32 @@ class SwapOptimizerOperate:
         """A step starts: the last finished step's timing events stay what step_ms() reports."""
         self._pending_start = None
 
-    def begin(self, n_chunks: int, slot_bytes: int, dev: torch.device) -> None:
+    def begin(self, n_chunks: int, slot_bytes: int, dev: torch.device, prefetched: Prefetched | None = None) -> None:
         """Allocate staging on the compute stream and mark the step's entry on it: no swap-in starts
-        before the compute stream reaches this point (the end of backward, typically)."""
+        before the compute stream reaches this point (the end of backward, typically). ``prefetched``
+        (this engine's ``prefetched``, made for this step's plan): adopt its staging and its swap-ins
+        instead; any other prefetch is discarded first."""
         mod = self.mod
         self._compute = mod.current_stream()
-        self.nslots = max(1, min(self.slots, n_chunks))
-        self._staging = (
-            [torch.empty(slot_bytes, dtype=torch.uint8, device=dev) for _ in range(self.nslots)] if slot_bytes else []
-        )
+        if prefetched is not None and prefetched is self.prefetched and prefetched.n_chunks == n_chunks:
+            self.prefetched = None
+            self.nslots = prefetched.nslots
+            self._staging = prefetched.staging
+            self._staging_stream = prefetched.stream
+        else:
+            prefetched = None
+            self.discard_prefetch()
+            self.nslots = max(1, min(self.slots, n_chunks))
+            self._staging = self._allocate(self.nslots, slot_bytes, dev)
+            self._staging_stream = None
         self._slot_free = [None] * self.nslots
         self._held = [[] for _ in range(self.nslots)]
         self._held_bytes = 0
-        self.peak_staging_bytes = slot_bytes * len(self._staging)
+        self.peak_staging_bytes = sum(t.nbytes for t in self._staging)
         self.h2d_events = [None] * n_chunks
+        if prefetched is not None:
+            for k, event in prefetched.h2d_events.items():
+                self.h2d_events[k] = event
         self.update_events = [None] * n_chunks
         self.d2h_events = [None] * n_chunks
         start = self._pending_start = mod.Event(enable_timing=True)
@@ -181,8 +212,61 @@ class SwapOptimizerOperate:
         if self._last_d2h is not None:  # host states the last step wrote are read again now
             h2d.wait_event(self._last_d2h)
 
+    @staticmethod
+    def _allocate(nslots: int, slot_bytes: int, dev: torch.device) -> list[torch.Tensor]:
+        return [torch.empty(slot_bytes, dtype=torch.uint8, device=dev) for _ in range(nslots)] if slot_bytes else []
+
     def slot(self, k: int) -> torch.Tensor | None:
         return self._staging[k % self.nslots] if self._staging else None
+
+    # ----- prefetch: the first swap-ins of the next step, issued ahead of it --------------------------
+    def prefetch_begin(self, n_chunks: int, slot_bytes: int, dev: torch.device, token: Any) -> Prefetched:
+        """Allocate the next step's staging now, on the current stream, and order the H2D stream after
+        this point (the allocation) and after the last step's last swap-out (the host states it wrote),
+        as begin() does. The slots stay allocated until the step adopts them or they are discarded."""
+        if self.prefetched is not None:
+            raise RuntimeError("a prefetch is already pending; adopt or discard it first")
+        stream = self.mod.current_stream()
+        nslots = max(1, min(self.slots, n_chunks))
+        pf = Prefetched(n_chunks, nslots, self._allocate(nslots, slot_bytes, dev), stream, token)
+        entry = stream.record_event()
+        h2d = self.h2d_stream
+        h2d.wait_event(entry)
+        if self._last_d2h is not None:
+            h2d.wait_event(self._last_d2h)
+        self.prefetched = pf
+        return pf
+
+    def prefetch_slot(self, k: int) -> torch.Tensor | None:
+        pf = self.prefetched
+        return pf.staging[k % pf.nslots] if pf is not None and pf.staging else None
+
+    def prefetch_in(self, k: int, copies: Copies) -> None:
+        """Copy host -> prefetched slot for chunk k on the H2D stream (fresh slots: nothing to wait for)."""
+        pf = self.prefetched
+        if pf is None or not copies:
+            return
+        h2d = self.h2d_stream
+        with torch.profiler.record_function(f"swapopt.prefetch[{k}]"):
+            with self.mod.stream(h2d):
+                for dst, src in copies:
+                    dst.copy_(src, non_blocking=True)
+            pf.h2d_events[k] = h2d.record_event()
+
+    def discard_prefetch(self) -> bool:
+        """Drop a prefetch the step will not use: the host waits for its copies (what follows may write
+        or free the host states they read), and the slots go back to the allocator stream-safely.
+        Returns whether there was one."""
+        pf, self.prefetched = self.prefetched, None
+        if pf is None:
+            return False
+        for event in pf.h2d_events.values():
+            event.synchronize()
+        for t in pf.staging:
+            device.record_stream(t, self.h2d_stream)
+        pf.staging.clear()
+        pf.payload = None
+        return True
 
     def swap_in(self, k: int, copies: Copies) -> None:
         """Copy host -> slot for chunk k on the H2D stream, after the slot's last D2H."""
@@ -264,6 +348,10 @@ class SwapOptimizerOperate:
         self._start, self._end, self._pending_start = self._pending_start, end, None
         for t in self._staging:
             device.record_stream(t, d2h)
+            if self._staging_stream is not None:  # prefetched: allocated on another stream, filled ahead
+                device.record_stream(t, self.h2d_stream)
+                if self._compute is not self._staging_stream:
+                    device.record_stream(t, self._compute)
             if self.overlap:  # the compute stream never waited for the swap-ins or the updates
                 device.record_stream(t, self.h2d_stream)
                 device.record_stream(t, self.update_stream)
@@ -293,6 +381,7 @@ class SwapOptimizerOperate:
 
     def _drop(self) -> None:
         self._staging = []
+        self._staging_stream = None
         self._held = [[] for _ in range(self.nslots)]
         self._held_bytes = 0
 
@@ -308,8 +397,10 @@ class SwapOptimizerOperate:
                 event.synchronize()
 
     def release_staging(self) -> None:
-        """Wait for in-flight swap-outs and drop anything held on the device (no-op if nothing is)."""
+        """Wait for in-flight swap-outs and drop anything held on the device, a prefetch included
+        (no-op if nothing is)."""
         self.wait_for_swap_out()
+        self.discard_prefetch()
         self._drop()
 
     def last_step_events(self) -> tuple[Any, Any]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import warnings
+import weakref
 from typing import Any, Callable, Iterable
 
 import torch
@@ -114,6 +115,18 @@ class SwapOptimizer(torch.optim.Optimizer):
     under FSDP2); code that reads params or states outside a module's forward (EMA, norms, saving the
     model) calls ``opt.wait_for_update()`` first. ``zero_grad(set_to_none=False)`` zeroes grads in
     place, so it first makes the current stream wait for the update (correct, but loses the overlap).
+
+    ``prefetch``: swap in the first ``slots - 1`` chunks of the next step ahead of step(), right after
+    the model's forward (a forward hook that ``opt.attach(model)`` registers; without attach, step()
+    works but never prefetches by itself), so they stream in under the loss and the backward and the
+    first update starts at once. ``opt.prefetch()`` does the same by hand, knob or not. The step uses
+    the prefetched slots only if it runs the very plan they were made for; otherwise (load_state_dict,
+    invalidate(), offload(), add_param_group, a param that lost its grad) they are dropped and the step
+    swaps in as usual. Memory: the staging (slots x slot bytes) is held from the prefetch to the end of
+    the step instead of during step() only, a prefetch budget on top of the step's (slots + 1) x chunk
+    (with gradient accumulation: from the first micro-batch's forward on).
+    Host states must not be written in place between a prefetch and the step (load_state_dict and the
+    other swapopt entry points drop the prefetch first).
     """
 
     def __init__(
@@ -126,6 +139,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         resident_mb: float = 0.0,
         per_param: bool = False,
         overlap_forward: bool = False,
+        prefetch: bool = False,
     ) -> None:
         _refuse(optimizer, per_param)
         if not isinstance(swap_optimizer_times, int) or swap_optimizer_times < 1:
@@ -141,6 +155,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         self.chunk_mb = chunk_mb
         self.resident_mb = float(resident_mb)
         self.per_param = bool(per_param)  # a copy (deepcopy, pickle) must be accepted as the original was
+        self.prefetch_enabled = bool(prefetch)  # the knob: attach(model) prefetches after each forward
         self._ready = False
         # Optimizer.__init__ sets up hooks and the step wrapper; it gets copies of the groups, then the
         # wrapper takes the inner optimizer's own objects so schedulers, clipping and DCP see one truth.
@@ -169,6 +184,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         if not getattr(self, "_ready", False):  # called by Optimizer.__init__ on the copies
             return super().add_param_group(param_group)
         self.wait_for_update()
+        self.operate.discard_prefetch()  # made for the old plan
         self.optimizer.add_param_group(param_group)
         self._layout.prepared = None
 
@@ -196,6 +212,7 @@ class SwapOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.wait_for_update()
+        self.operate.discard_prefetch()  # its copies read the host states the load writes
         checkpoint.load_state_dict(self, state_dict)
         # Optimizer.load_state_dict rebinds state/param_groups: keep sharing the inner's objects.
         self.param_groups = self.optimizer.param_groups
@@ -220,9 +237,28 @@ class SwapOptimizer(torch.optim.Optimizer):
 
     def attach(self, model: torch.nn.Module) -> None:
         """Register the forward pre-hooks that order each module's forward after the update of its own
-        params (``overlap_forward``; harmless without it). Idempotent; a second model adds its modules.
-        Under FSDP2, call it after ``fully_shard``."""
-        self._forward_waits.attach(model)
+        params (``overlap_forward``; harmless without it) and, with ``prefetch``, a forward hook on
+        ``model`` that calls prefetch() after each forward run with grad enabled. Idempotent; a second
+        model adds its modules. Under FSDP2, call it after ``fully_shard``."""
+        self._forward_waits.attach(model, after_forward=_prefetch_hook(self) if self.prefetch_enabled else None)
+
+    def prefetch(self) -> bool:
+        """Swap in the first ``slots - 1`` chunks of the next step now, on the H2D stream, ordered after
+        the current stream's work so far (call it after the forward: the copies run under the backward).
+        Needs the plan of an earlier step (a no-op before the first step, or while the last plan is known
+        to be stale); idempotent until the next step. Returns whether copies were issued. The staging
+        is held until the step (see the class docstring on memory)."""
+        if self.operate.prefetched is not None:
+            return False
+        layout = self._layout
+        prep = layout.prepared
+        if prep is None or prep.key[3] != layout.version:  # none yet, or the next step plans anew
+            return False
+        mode = device.get_device()
+        if mode == "cpu" or mode != self._device or self.operate.mod is None:
+            return False
+        self.operate.bind(device.get_torch_device_module(self._device))
+        return pipeline.prefetch(self, prep)
 
     def wait_for_update(self, params: Iterable[torch.Tensor] | None = None) -> None:
         """Make the current stream wait for the pending updates of ``params`` (all if None), without
@@ -236,17 +272,21 @@ class SwapOptimizer(torch.optim.Optimizer):
         self.operate.wait_for_swap_out(params)
 
     def release_staging(self) -> None:
+        """Wait for in-flight swap-outs and free the staging held on the device, a prefetch's included."""
         self.operate.release_staging()
 
     def invalidate(self) -> None:
-        """Forget cached host layouts and the plan (call after replacing state tensors by hand)."""
+        """Forget cached host layouts and the plan (call after replacing state tensors by hand); a
+        prefetch made for that plan is dropped."""
+        self.operate.discard_prefetch()
         self._layout.invalidate()
 
     def swap_stats(self, wait: bool = True) -> SwapStats:
         """Counters of the last successful step; ``failed`` and ``last_error`` say whether the step after it
         raised. ``step_ms`` makes the host wait for the step's last swap-out (which, with overlap_forward,
         comes after its last update); ``wait=False`` leaves it None and never waits: read it later from
-        ``operate.last_step_events()``."""
+        ``operate.last_step_events()``. With a prefetch the step's first swap-ins ran before its entry, so
+        they are counted in ``h2d_bytes`` (once) but not timed in ``step_ms``."""
         stats = self._stats.model_copy()
         if stats.steps and wait:
             stats.step_ms = self.operate.step_ms()
@@ -259,6 +299,15 @@ class SwapOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        try:
+            return self._step(loss, kwargs)
+        except BaseException:
+            # Note [failure semantics]: a prefetch is only a device copy of host states; the next step
+            # swaps in afresh from the host states this one left.
+            self.operate.discard_prefetch()
+            raise
+
+    def _step(self, loss: Any, kwargs: dict[str, Any]) -> Any:
         inner = self.optimizer
         if self.operate.overlap and not self._forward_waits.attached:
             raise RuntimeError(
@@ -281,7 +330,7 @@ class SwapOptimizer(torch.optim.Optimizer):
                     warnings.warn(
                         f"swapopt: no accelerator or simulator is active, so SwapOptimizer steps "
                         f"{type(inner).__name__} in place and its states stay where torch puts them",
-                        stacklevel=4,  # past torch's no_grad and step-hook wrappers: the caller of step()
+                        stacklevel=5,  # past _step, torch's no_grad and step-hook wrappers: the caller of step()
                     )
                     logger.info("swapopt: no accelerator, stepping {} in place", type(inner).__name__)
                 self._step_fn(inner, *args, **kwargs)
@@ -308,15 +357,19 @@ class SwapOptimizer(torch.optim.Optimizer):
         if not params:
             return
         mod = device.get_torch_device_module(self._device)
-        self.operate.bind(mod)
+        self.operate.bind(mod)  # another module: a prefetch made with the old one is dropped
         self.operate.begin_step()  # swap_stats() must not pair this step's start with an older end
         try:
+            pf = self._usable_prefetch(params, groups)
             prep = layout.prepare(params, groups)
+            if pf is not None and pf.token != (prep, layout.version):  # never with still_valid; kept exact
+                self.operate.discard_prefetch()
+                pf = None
             # States this step creates get their pinned host memory before any param is touched, so a
             # failing allocation leaves every param untouched (Note [failure semantics], swapopt.recovery).
             layout.pre_hosts = layout.preallocate(prep)
             self._snapshot_hyper(prep.group_ids)
-            run = pipeline.StepRun(self, prep, kwargs)
+            run = pipeline.StepRun(self, prep, kwargs, pf)
             run.run()
         except BaseException as exc:
             layout.pre_hosts = {}
@@ -335,6 +388,22 @@ class SwapOptimizer(torch.optim.Optimizer):
             "swapopt step {}: {} chunks, H2D {:.1f} MiB, D2H {:.1f} MiB, staging {:.1f} MiB, {} resident params",
             st.steps + 1, n, run.h2d / MiB, run.d2h / MiB, op.peak_staging_bytes / MiB, len(prep.resident),
         )  # fmt: skip
+
+    def _usable_prefetch(self, params: list[torch.Tensor], groups: list[int]) -> Any:
+        """The pending prefetch if this step runs the plan it was made for: the layout still holds that
+        very Prepared, its version is unchanged and it is still valid for these params (what prepare()
+        checks before returning it as is). Otherwise it is dropped here, before prepare() may move or
+        replace the host states its copies read."""
+        pf = self.operate.prefetched
+        if pf is None:
+            return None
+        layout = self._layout
+        prep, version = pf.token
+        if layout.prepared is prep and layout.version == version and layout.still_valid(prep, params, groups):
+            return pf
+        logger.debug("swapopt: the plan changed since the prefetch; swapping in afresh")
+        self.operate.discard_prefetch()
+        return None
 
     def _snapshot_hyper(self, groups: Iterable[int]) -> None:
         """Step-time copies of the tensor hyperparameters (lr tensors, tensor betas) of the given groups,
@@ -355,3 +424,17 @@ class SwapOptimizer(torch.optim.Optimizer):
     def _failed(self, exc: BaseException) -> None:
         """swap_stats() keeps the last successful step's counters and says the last step failed."""
         self._stats = self._stats.model_copy(update={"failed": True, "last_error": repr(exc)})
+
+
+def _prefetch_hook(opt: SwapOptimizer) -> Callable[..., None]:
+    """The forward hook of the ``prefetch`` knob: after a forward that builds a graph (a backward and a
+    step follow), start swapping in the next step's first chunks. Holds the optimizer weakly: the model
+    must not keep it alive."""
+    ref = weakref.ref(opt)
+
+    def prefetch_after_forward(module: torch.nn.Module, args: Any, output: Any) -> None:
+        target = ref()
+        if target is not None and torch.is_grad_enabled():
+            target.prefetch()
+
+    return prefetch_after_forward

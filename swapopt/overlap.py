@@ -19,6 +19,9 @@ on a module that became an FSDP unit later raises, since it would run after the 
 ``order`` ranks the attached models' params in module registration order, which is forward order for
 the usual stacks: the step streams them in that order (not in param-group order, which may put every
 layer's biases after all the weights), so the first layers' updates land first.
+
+``after_forward`` (the ``prefetch`` knob) is a forward hook on the attached root model itself: it runs
+once the whole forward is issued, and starts the next step's first swap-ins under the backward.
 """
 
 from __future__ import annotations
@@ -60,10 +63,15 @@ class ForwardWaits:
         self.attached = False
         self._rank: dict[torch.Tensor, int] = {}  # param -> position in the attached models' registration order
         self._order_cache: tuple | None = None  # (params list, len(_rank), result) of the last order()
+        self._roots: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()  # after_forward hooks
 
-    def attach(self, model: nn.Module) -> None:
+    def attach(self, model: nn.Module, after_forward: Callable[[nn.Module, Any, Any], None] | None = None) -> None:
+        """Hook every module of ``model``; ``after_forward``: also a forward hook on ``model`` itself
+        (once per model)."""
         if not isinstance(model, nn.Module):
             raise TypeError(f"attach takes the nn.Module the optimizer's params belong to, got {type(model).__name__}")
+        if after_forward is not None and model not in self._roots:
+            self._roots[model] = model.register_forward_hook(after_forward)
         fsdp_cls = _fsdp_module_class()
         for p in model.parameters():
             self._rank.setdefault(p, len(self._rank))
@@ -93,9 +101,10 @@ class ForwardWaits:
 
     def detach(self) -> None:
         """Remove every hook (the optimizer no longer orders forwards after its updates)."""
-        for handle in list(self._hooked.values()):
+        for handle in [*self._hooked.values(), *self._roots.values()]:
             handle.remove()
         self._hooked = weakref.WeakKeyDictionary()
+        self._roots = weakref.WeakKeyDictionary()
         self.attached = False
 
     def _plain_hook(self, fsdp_cls: type | None) -> Callable[[nn.Module, Any], None]:

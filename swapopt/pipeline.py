@@ -13,6 +13,9 @@ Stages of a step (chunk k uses staging slot k % S; swapopt.operate orders the st
    states (step counts) and newly created host states of every param whose last piece this was.
 5. Finish: staging is released stream-safely and per-param events are kept; no device-wide sync.
 
+``prefetch`` issues stage 1 ahead of the step (after the forward, so the copies run under the loss and
+the backward): the step adopts its slots and views when it runs the very plan they were made for.
+
 ``pending``, ``views`` and ``progress`` are what the stages thread through: the host states created
 this step (published when their param is fully stepped), each in-flight chunk's views, and the stage
 reached, which the failure path (swapopt.recovery, Note [failure semantics]) reads.
@@ -174,8 +177,9 @@ class ChunkInputs:
 class StepRun:
     """One swapped step over a prepared plan (stages in the module docstring)."""
 
-    def __init__(self, opt: Any, prep: Prepared, kwargs: dict) -> None:
+    def __init__(self, opt: Any, prep: Prepared, kwargs: dict, prefetched: Any = None) -> None:
         self.opt = opt
+        self.prefetched = prefetched  # operate.Prefetched made for this plan: stage 1 already issued
         self.layout = opt._layout
         self.op = opt.operate
         self.prep = prep
@@ -194,13 +198,20 @@ class StepRun:
         op, prep = self.op, self.prep
         n = len(prep.plan.chunks)
         try:
-            op.begin(n, prep.slot_bytes, device.torch_device(self.opt._device))
+            pf = self.prefetched
+            op.begin(n, prep.slot_bytes, device.torch_device(self.opt._device), pf)
+            ready = (pf.payload or {}) if pf is not None else {}  # empty when begin discarded it
             if op.overlap:  # zero_grad(set_to_none=True) may free them before the update read them
                 for p in prep.params:
                     op.keep_for_update(p.grad)
             lookahead = op.nslots - 1
-            for j in range(min(lookahead, n)):  # stage 1
-                self.views[j] = self.swap_in(j)
+            for j in range(min(lookahead, n)):  # stage 1 (done ahead for the chunks prefetched)
+                views = ready.get(j)
+                if views is None:
+                    views = self.swap_in(j)
+                else:
+                    self.h2d += prep.h2d_bytes[j]  # counted once per step: at the step that uses them
+                self.views[j] = views
             if prep.resident:  # stage 2, while the first swap-ins are in flight
                 self.update_resident()
             for k in range(n):  # stages 3 and 4
@@ -264,13 +275,14 @@ class StepRun:
                 out[i] = parts[j]
         return out
 
-    def swap_in(self, k: int) -> ChunkViews:
+    def swap_in(self, k: int, ahead: bool = False) -> ChunkViews:
         """Per piece of chunk k: {key: (value the optimizer sees, slot view, host view the swap-out
-        writes)}, with the H2D copies filling the slot views queued."""
+        writes)}, with the H2D copies filling the slot views queued. ``ahead``: into the prefetched
+        slots (see prefetch), counted by the step that uses them."""
         prep = self.prep
         chunk = prep.plan.chunks[k]
         views = ChunkViews({} for _ in chunk.pieces)
-        slot = self.op.slot(k)
+        slot = self.op.prefetch_slot(k) if ahead else self.op.slot(k)
         covered = prep.covered[k]
         # a run's bytes: one copy per direction for the regions it covers
         views.runs = [(run.host, slot[run.offset : run.offset + run.nbytes]) for run in prep.runs[k]] if slot is not None else []
@@ -285,8 +297,11 @@ class StepRun:
             views[r.piece][r.key] = (wrap_like(r.layout, v) if r.layout is not None else v, v, host)
             if host is not None and r.nbytes:
                 copies.append((v, host))
-        self.op.swap_in(k, copies)
-        self.h2d += prep.h2d_bytes[k]
+        if ahead:
+            self.op.prefetch_in(k, copies)
+        else:
+            self.op.swap_in(k, copies)
+            self.h2d += prep.h2d_bytes[k]
         return views
 
     # ----- stage 2: resident update ---------------------------------------------------------------
@@ -482,3 +497,22 @@ class StepRun:
             else:
                 states[key] = hoststate.pinned_empty_like(value)
         return states[key]
+
+
+def prefetch(opt: Any, prep: Prepared) -> bool:
+    """Stage 1 of the next step over ``prep``, issued now: allocate its staging on the current stream and
+    queue the swap-ins of its first S-1 chunks (swapopt.operate.prefetch_begin). The step adopts them if
+    it runs this very plan (``token``), else discards them. Returns whether anything was issued."""
+    op = opt.operate
+    n = len(prep.plan.chunks)
+    ahead = min(op.slots, n) - 1
+    if ahead < 1 or not prep.slot_bytes:  # one slot, or nothing staged: nothing can be swapped in ahead
+        return False
+    pf = op.prefetch_begin(n, prep.slot_bytes, device.torch_device(opt._device), token=(prep, opt._layout.version))
+    run = StepRun(opt, prep, {})
+    try:
+        pf.payload = {j: run.swap_in(j, ahead=True) for j in range(ahead)}
+    except BaseException:
+        op.discard_prefetch()  # only device copies of host states: dropping them loses nothing
+        raise
+    return True

@@ -75,7 +75,7 @@ def test_positional_args_groups_and_knobs_reach_their_places(sim):
 def test_signature_shows_inner_arguments_then_swap_knobs():
     names = list(inspect.signature(SwapAdamW).parameters)
     inner = [n for n in inspect.signature(O.AdamW).parameters]
-    assert names == inner + ["swap_optimizer_times", "chunk_mb", "slots", "resident_mb", "per_param", "overlap_forward"]
+    assert names == inner + ["swap_optimizer_times", "chunk_mb", "slots", "resident_mb", "per_param", "overlap_forward", "prefetch"]
     assert inspect.signature(SwapAdamW).parameters["slots"].kind is inspect.Parameter.KEYWORD_ONLY
 
 
@@ -127,3 +127,9 @@ def test_generated_class_pickles_by_name(sim):
         assert torch.equal(opt.state[p]["momentum_buffer"], copy.state[q]["momentum_buffer"])
     with pytest.raises(AttributeError):
         swapopt.classes.SwapNotAnOptimizer
+
+
+def test_prefetch_knob_reaches_the_optimizer(sim):
+    model = torch.nn.Linear(4, 4)
+    assert SwapAdamW(model.parameters(), prefetch=True).prefetch_enabled
+    assert not SwapAdamW(model.parameters()).prefetch_enabled

@@ -45,3 +45,8 @@ def test_rl_colocate_offloads_between_phases(clean_device_env, capsys):
     assert rc == 0, out
     assert out.count("rollout after step") == 1  # after step 2; none after the last step
     assert "optimizer offloaded, 2 MiB buffer held" in out
+
+
+def test_llm_100m_prefetches_with_overlap():
+    optim = load_config(CONFIGS / "llm_100m.py").optim
+    assert optim.swap_optimizer and optim.overlap_forward and optim.prefetch

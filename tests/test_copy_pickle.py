@@ -113,3 +113,13 @@ def test_copy_of_an_offloaded_fused_optimizer_steps_bitwise(sim):
     assert steps and not any(device.is_host_tensor(t) for t in steps)
     assert_same_state(snapshot(ref_model, ref), snapshot(model, opt))
     assert_same_state(snapshot(ref_model, ref), snapshot(new_model, new))
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_copy_keeps_overlap_forward_and_prefetch(sim, how):
+    model = torch.nn.Linear(4, 4)
+    opt = SwapOptimizer(torch.optim.AdamW(model.parameters()), overlap_forward=True, prefetch=True)
+    new = copy.deepcopy(opt) if how == "deepcopy" else _pickle(opt)
+    assert new.overlap_forward and new.prefetch_enabled
+    plain = copy.deepcopy(SwapOptimizer(torch.optim.AdamW(model.parameters())))
+    assert not plain.overlap_forward and not plain.prefetch_enabled

@@ -69,13 +69,20 @@ class AdamWConfig(SwapConfig):
 
     ``type`` names any ``torch.optim`` optimizer; its constructor gets the keys below that it accepts.
     The swap knobs (``swap_optimizer``, ``swap_optimizer_times``, ``chunk_mb``, ``slots``,
-    ``resident_mb``, ``overlap_forward``) are inherited from :class:`swapopt.SwapConfig`.
+    ``resident_mb``, ``overlap_forward``, ``prefetch``) are inherited from :class:`swapopt.SwapConfig`.
 
     ``overlap_forward`` (default False; only with ``swap_optimizer=True``): the optimizer's updates run on
     their own stream, in forward order, and each module's forward waits only for its own params, so the
     swap step hides under the next forward instead of delaying it. The engine attaches the optimizer to the
     model (after FSDP2 sharding) and waits for pending updates before checkpoints and offload. Losses and
     params are bitwise those with it off; it pays off when the forward takes about as long as the swap step.
+
+    ``prefetch`` (default False; only with ``swap_optimizer=True``): the first ``slots - 1`` chunks of each
+    step are swapped in right after the forward, under the loss and the backward, so the first update starts
+    at once (the pipeline fill no longer delays it). The engine attaches the optimizer to the model for it.
+    Bitwise the same results; the staging is held from the forward to the end of the step (a prefetch
+    budget of slots x slot bytes on top of the step's (slots + 1) x chunk). ``overlap_forward`` or
+    ``prefetch`` with ``swap_optimizer=False`` is ignored with a warning.
     """
 
     type: str = "AdamW"

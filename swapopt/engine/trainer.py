@@ -5,6 +5,7 @@ in a SwapOptimizer; nothing else in the engine changes, because the wrapper shar
 ``state`` with the optimizer it wraps (LR schedule, grad clipping and DCP work unchanged).
 ``optim.overlap_forward=True`` also attaches it to the model, so its updates run under the next forward; the
 engine then orders everything that reads params outside a forward (checkpoints, offload) after the update.
+``optim.prefetch=True`` attaches it too: its forward hook starts each step's first swap-ins under the backward.
 
 A train step never makes the host wait for the device: its metrics (loss, grad norm, timings, swap traffic) are
 kept as device tensors and events in a :class:`StepMetrics` and read when someone looks at them, which the
@@ -160,8 +161,9 @@ class TrainEngine:
         self.optimizer = cfg.optim.build(self.model.parameters())
         self.swapping = isinstance(self.optimizer, SwapOptimizer)
         self.overlap = self.swapping and cfg.optim.overlap_forward
-        if self.overlap:
-            # Forward pre-hooks make each module wait for its own params' updates only; on FSDP2 they must see
+        if self.swapping and (cfg.optim.overlap_forward or cfg.optim.prefetch):
+            # Forward pre-hooks make each module wait for its own params' updates only (overlap_forward), and a
+            # forward hook on the model prefetches the step's first chunks (prefetch); on FSDP2 they must see
             # the sharded model, so this comes after fully_shard.
             self.optimizer.attach(self.model)
         # Batches are built in pinned host memory on accelerators (and the simulator), so their copy is
