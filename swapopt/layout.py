@@ -30,7 +30,7 @@ _GRAD = operator.attrgetter("grad")
 _SPARSE = operator.attrgetter("is_sparse")
 
 
-def _same(a: list, b: list) -> bool:
+def same_objects(a: list, b: list) -> bool:
     """The same objects in the same order (identity: comparing tensors with == would compare values)."""
     return len(a) == len(b) and all(map(operator.is_, a, b))
 
@@ -95,6 +95,7 @@ class Prepared:
     preallocated: bool = False  # a preallocate found nothing to create: none will while this plan holds
     splits: list[Any] = field(default_factory=list)  # per chunk: how the pipeline splits the slot into views
     inputs: list[Any] = field(default_factory=list)  # per chunk: the pipeline's cached inputs (swapopt.pipeline)
+    scalars: Any = None  # the scalar states the pipeline snapshots each step, and what validates them
 
     def __post_init__(self) -> None:
         # filled lazily by the pipeline, chunk by chunk, at the plan's first step
@@ -168,7 +169,7 @@ class HostLayout:
         grads = [list(map(_GRAD, ps)) for ps in lists]
         present = [list(map(operator.is_not, gs, repeat(None))) for gs in grads]
         hit = self.active_cache
-        if hit is not None and len(hit[0]) == len(lists) and all(map(_same, hit[0], lists)) and hit[1] == present:
+        if hit is not None and len(hit[0]) == len(lists) and all(map(same_objects, hit[0], lists)) and hit[1] == present:
             for gs, mask in zip(grads, present):
                 if any(map(_SPARSE, compress(gs, mask))):
                     break  # a grad turned sparse: the full pass below raises
@@ -287,16 +288,16 @@ class HostLayout:
         and groups, no host layout change this layout made (``version``), the same state dicts with the
         same lengths holding the same host states (C-level identity passes, which also catch a state the
         user replaced by hand), and the grads of flat params still laid out as when it was planned."""
-        if prep.key[3] != self.version or not (params is prep.params or _same(params, prep.params)):
+        if prep.key[3] != self.version or not (params is prep.params or same_objects(params, prep.params)):
             return False
         if groups != prep.groups:
             return False
-        if not _same(list(map(self.state.get, prep.watch_params)), prep.watch_dicts):
+        if not same_objects(list(map(self.state.get, prep.watch_params)), prep.watch_dicts):
             return False
         if list(map(len, prep.watch_present)) != prep.watch_lens:
             return False
         dicts, keys, stored = prep.watch_states
-        if not _same(list(map(dict.get, dicts, keys)), stored):
+        if not same_objects(list(map(dict.get, dicts, keys)), stored):
             return False
         for i in prep.recheck:
             p = params[i]
@@ -348,15 +349,17 @@ class HostLayout:
                 regions += 1
             sizes.append(ParamSize(i, local(p).numel(), nbytes, flat[i], regions))
         chunk_bytes = None if self.opt.chunk_mb is None else int(self.opt.chunk_mb * MiB)
-        settings = (self.opt.swap_optimizer_times, chunk_bytes, int(self.opt.resident_mb * MiB), DEFAULT_ALIGN)
+        # With prefetch the first chunks stream in under the backward: no ramp (Note [ramp] in swapopt.plan)
+        ramp = not getattr(self.opt, "prefetch_enabled", False)
+        settings = (self.opt.swap_optimizer_times, chunk_bytes, int(self.opt.resident_mb * MiB), DEFAULT_ALIGN, ramp)
         plan_key = (tuple(sizes), settings)
         if self.plan_cache is not None and self.plan_cache[0] == plan_key:
             # the probe gave the exact sizes: the states the first step created change nothing
             plan = self.plan_cache[1]
         else:
-            times, chunk_bytes, resident_bytes, align = settings
+            times, chunk_bytes, resident_bytes, align, ramp = settings
             plan = make_plan(
-                sizes, times=times, chunk_bytes=chunk_bytes, resident_bytes=resident_bytes, align=align
+                sizes, times=times, chunk_bytes=chunk_bytes, resident_bytes=resident_bytes, align=align, ramp=ramp
             )
             self.plan_cache = (plan_key, plan)
         # A splittable param the plan left whole is stepped as itself, with states shaped like it: no

@@ -32,7 +32,7 @@ import device
 from swapopt import hoststate, internals, recovery
 from swapopt.arena import itemsize
 from swapopt.hoststate import is_swapped_state, local, new_host_like, wrap_like
-from swapopt.layout import GRAD, Prepared, Region
+from swapopt.layout import GRAD, Prepared, Region, same_objects
 
 
 def _split_plan(regions: list[Region], slot_bytes: int) -> list[tuple[torch.dtype, list[int], list[tuple[int, int]]]]:
@@ -409,18 +409,30 @@ class StepRun:
         Taken once per step, before the first update, as one stack per device, dtype and shape: one copy
         launch per step rather than one per chunk."""
         prep, state = self.prep, self.opt.state
-        by_kind: dict[tuple, list[tuple[int, torch.Tensor]]] = defaultdict(list)  # (device, dtype, shape) -> (chunk, own)
-        for k, chunk in enumerate(prep.plan.chunks):
-            for piece in chunk.pieces:
-                p = prep.params[piece.index]
-                own = state.get(p)
-                if not own or not prep.is_whole(piece):
-                    continue
-                for key, value in own.items():
-                    if isinstance(value, torch.Tensor) and not is_swapped_state(p, key, value):
-                        by_kind[(value.device, value.dtype, value.shape)].append((k, value))
+        cached = prep.scalars
+        # Which tensors to snapshot is worked out once per plan; a step checks in one C-level pass that the
+        # state dicts still hold those very tensors under those keys (an optimizer that replaced one, or a
+        # new scalar state, makes it look again).
+        if cached is None or not same_objects(list(map(dict.get, cached[0], cached[1])), cached[2]) \
+                or list(map(len, cached[3])) != cached[4]:
+            by_kind: dict[tuple, list[tuple[int, torch.Tensor]]] = defaultdict(list)  # (device, dtype, shape) -> (chunk, own)
+            dicts, keys, values, owners = [], [], [], []
+            for k, chunk in enumerate(prep.plan.chunks):
+                for piece in chunk.pieces:
+                    p = prep.params[piece.index]
+                    own = state.get(p)
+                    if not own or not prep.is_whole(piece):
+                        continue
+                    owners.append(own)
+                    for key, value in own.items():
+                        if isinstance(value, torch.Tensor) and not is_swapped_state(p, key, value):
+                            by_kind[(value.device, value.dtype, value.shape)].append((k, value))
+                            dicts.append(own)
+                            keys.append(key)
+                            values.append(value)
+            cached = prep.scalars = (dicts, keys, values, owners, list(map(len, owners)), list(by_kind.values()))
         per_chunk: list[tuple[list, list]] = [([], []) for _ in prep.plan.chunks]
-        for members in by_kind.values():
+        for members in cached[5]:
             rows = torch.stack([value for _, value in members]).unbind(0)
             for (k, value), row in zip(members, rows):
                 per_chunk[k][0].append(value)
@@ -435,12 +447,12 @@ class StepRun:
         flat = self.prep.flat[piece.index]
         copies, hold, scalars = [], [], {}
         for key, value in pst.items():
-            if key in views:
-                _, slot_view, host = views[key]
-                new = local(value)
-                if new.data_ptr() != slot_view.data_ptr():
-                    slot_view.copy_(new)  # the optimizer replaced the tensor instead of updating it
-                if slot_view.numel() and host is not None:  # None: a run of the chunk copies it out
+            staged = views.get(key)
+            if staged is not None:
+                given, slot_view, host = staged
+                if value is not given and local(value).data_ptr() != slot_view.data_ptr():
+                    slot_view.copy_(local(value))  # the optimizer replaced the tensor instead of updating it
+                if host is not None and slot_view.numel():  # None: a run of the chunk copies it out
                     copies.append((host, slot_view))
             elif is_swapped_state(t, key, value):  # created by the optimizer this step
                 src = local(value)
@@ -457,24 +469,28 @@ class StepRun:
     def chunk_output(self, k: int, targets: list, chunk_state: dict, views: list):
         """Swap-out copies, device tensors to hold, and (param, scalars) of params whose last piece this is."""
         copies, hold, finals = list(getattr(views, "runs", ())), [], []
+        params, output, get = self.prep.params, self.piece_output, chunk_state.get
         for pos, piece in enumerate(self.prep.plan.chunks[k].pieces):
             t = targets[pos]
-            entered = t in chunk_state
-            c, h, scalars = self.piece_output(piece, t, chunk_state[t] if entered else {}, views[pos])
-            copies += c
-            hold += h
+            pst = get(t)
+            c, h, scalars = output(piece, t, pst if pst is not None else {}, views[pos])
+            if c:
+                copies += c
+            if h:
+                hold += h
             if scalars is not None:
-                finals.append((self.prep.params[piece.index], scalars if entered else None))
+                finals.append((params[piece.index], scalars if pst is not None else None))
         return copies, hold, finals
 
     def publish(self, p: torch.Tensor, scalars: dict[str, Any] | None) -> None:
         """p is fully stepped: its scalar states and the host states created this step become its state.
         ``scalars`` None: the inner optimizer made no state entry for p, so none is made (as in torch)."""
-        created = self.pending.pop(p, None)
+        created = self.pending.pop(p, None) if self.pending else None
         if scalars is None and not created and p not in self.opt.state:
             return
         st = self.opt.state[p]
-        st.update(scalars or {})
+        if scalars:
+            st.update(scalars)
         if created:
             st.update(created)
             self.layout.forget(p)

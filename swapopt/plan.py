@@ -22,7 +22,8 @@ EXTRA_CHUNKS = 1.5  # with swap_optimizer_times=T, up to 1.5 T chunks to keep pa
 # swap-in. Ramp chunks below RAMP_MIN_BYTES are left out: below it a chunk's launches cost more host time
 # than its copy takes on the link, and a tiny state has no fill worth hiding. Plans of fewer than
 # RAMP_MIN_CHUNKS chunks have none: the fill is a large share of any short pipeline, but a user asking for
-# a few chunks asks for that many.
+# a few chunks asks for that many. With prefetch (the first chunks swapped in under the backward) there is
+# no ramp either: larger prefetched chunks carry more of the first layers' states in ahead of the step.
 RAMP = 3
 RAMP_MIN_BYTES = 512 << 10
 RAMP_MIN_CHUNKS = 8
@@ -199,6 +200,7 @@ def make_plan(
     chunk_bytes: int | None = None,
     resident_bytes: int = 0,
     align: int = DEFAULT_ALIGN,
+    ramp: bool = True,
 ) -> Plan:
     """Plan one step: resident params first, then chunks of the rest.
 
@@ -206,7 +208,9 @@ def make_plan(
     budget is about the swapped bytes divided by ``times``: raised to keep params whole when that
     costs at most 25% more per chunk; failing that, the fewest chunks within that same bound that keep
     them whole, if at most ``EXTRA_CHUNKS`` x ``times``; else the smallest budget that keeps alignment
-    rounding from adding chunks beyond ``times``. Either way the first chunks ramp up (Note [ramp]).
+    rounding from adding chunks beyond ``times``. Either way the first chunks ramp up (Note [ramp]),
+    unless ``ramp`` is False (the optimizer prefetches its first chunks under the backward: there larger
+    first chunks carry more of the first layers in).
     """
     if times < 1:
         raise ValueError(f"swap_optimizer_times must be >= 1, got {times}")
@@ -217,8 +221,8 @@ def make_plan(
     total = sum(s.state_bytes + s.pad_bytes for s in swapped)
     if chunk_bytes is not None:
         budget = max(1, int(chunk_bytes))
-        ramp = ramp_budgets(budget) if total >= RAMP_MIN_CHUNKS * budget else ()
-        chunks = chunk_pieces(swapped, budget, align, keep_whole=True, ramp=ramp)
+        ramps = ramp_budgets(budget) if ramp and total >= RAMP_MIN_CHUNKS * budget else ()
+        chunks = chunk_pieces(swapped, budget, align, keep_whole=True, ramp=ramps)
     else:
         # Prefer whole params (no cuts at chunk boundaries): a cut costs a copy per state and direction at
         # each chunk boundary and extra work on the failure path. Keep them whole when that costs at most
@@ -237,7 +241,7 @@ def make_plan(
                 keep_whole = True
         if not keep_whole:
             budget = _smallest_budget(swapped, base, max(total, 1), times, align, keep_whole=False)
-        ramp = ramp_budgets(budget) if times >= RAMP_MIN_CHUNKS else ()
-        chunks = chunk_pieces(swapped, budget, align, keep_whole=keep_whole, ramp=ramp)
+        ramps = ramp_budgets(budget) if ramp and times >= RAMP_MIN_CHUNKS else ()
+        chunks = chunk_pieces(swapped, budget, align, keep_whole=keep_whole, ramp=ramps)
     last = {p.index: k for k, c in enumerate(chunks) for p in c.pieces}
     return Plan(tuple(chunks), resident, budget, last)

@@ -224,6 +224,9 @@ def test_ramp_makes_the_first_chunks_smaller():
     assert plan.chunks[0].nbytes <= (4 << 20) // 8 + 64
     assert 16 < len(plan.chunks) <= 16 + RAMP  # the ramp's 7/8 of a chunk: one chunk more, or more with cut remainders
     _check_cover(sizes, plan.chunks)
+    # prefetch swaps the first chunks in under the backward: no ramp then, larger first chunks
+    flat = make_plan(sizes, times=16, align=512, ramp=False)
+    assert len(flat.chunks) == 16 and flat.chunks[0].nbytes == flat.budget
     # small states: no ramp chunk below RAMP_MIN_BYTES; few chunks: no ramp; either way K chunks stay K
     small = [ParamSize(i, 1 << 10, 8 << 10, True) for i in range(16)]
     assert ramp_budgets(make_plan(small, times=8).budget) == ()
