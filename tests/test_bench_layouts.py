@@ -131,6 +131,10 @@ def test_counter_counts_copies_and_kernels_like_the_timeline(sim):
     # CPU time splits into the ops' own, the counter's and the rest; the device's share is left out on the simulator.
     assert counts.cpu_s >= counts.launch_cpu_s + counts.counting_cpu_s > 0
     assert 0 <= counts.own_host_s(device_work_on_host=True) <= counts.own_host_s(device_work_on_host=False)
+    # Python host time leaves out every op and simulator frame as well: never more than the own host time.
+    assert counts.outside_host_s >= counts.op_cpu_s + counts.counting_cpu_s
+    assert counts.outside_calls >= counts.aten_ops
+    assert 0 <= counts.python_host_s() <= counts.own_host_s(device_work_on_host=True)
     # Nested counting: an inner counter sees only its own block.
     with LaunchCounter() as outer:
         dev.add_(1.0)
