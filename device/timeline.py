@@ -4,9 +4,10 @@ The host issues ops; each launch costs `launch_us` of host time. An op starts on
 its stream has finished everything before it (including waited events) and its lane is free:
 lanes "h2d", "d2h" and "compute" each serve one op at a time, so copies in opposite directions
 overlap each other and compute. Copy lanes serve ops in launch order; the compute lane runs an op in
-the first idle gap it fits after it is ready, so a kernel of one stream runs while a kernel of another
-stream launched before it still waits for an event (as the GPU's scheduler does). Ops that touch no
-device memory run on the host ("host" lane).
+the idle time after it is ready, in pieces if kernels booked earlier lie ahead (work-conserving, as a
+GPU runs kernels of two streams at once): a kernel of one stream runs while a kernel of another stream
+launched before it still waits for an event. Ops that touch no device memory run on the host ("host"
+lane).
 
 Costs, as on the hardware:
 - a kernel takes max(bytes touched / HBM bandwidth, FLOPs / peak FLOP rate of its precision); only
@@ -20,8 +21,9 @@ Costs, as on the hardware:
 
 from __future__ import annotations
 
-import json
 import bisect
+import json
+import math
 from collections import deque
 from pathlib import Path
 from typing import NamedTuple
@@ -53,7 +55,8 @@ class Timeline:
         self.host_us = 0.0
         self._lane_free = dict.fromkeys(LANES, 0.0)  # when each lane's last scheduled op ends
         # Busy intervals of the compute lane, sorted and disjoint, kept from the host's time on (nothing
-        # launched later can start before it): the idle gaps between them take later-ready kernels.
+        # launched later can start before it): the idle gaps between them take later-ready kernels, in pieces
+        # (see _fit).
         self._busy_start: list[float] = []
         self._busy_end: list[float] = []
         # Per copy lane, the link rate it uses over time: (start_us, end_us, bytes per us) segments in time
@@ -142,37 +145,59 @@ class Timeline:
             end = self._copy_end_us(lane, start, nbytes)
         else:
             cost = self.kernel_cost_us(nbytes, flops)
-            start = self._fit(max(self.host_us, ready_us), cost)
-            end = start + cost
+            start, end = self._fit(max(self.host_us, ready_us), cost)
         work = flops.count if flops is not None and lane == "compute" else 0.0
         op = TimelineOp(stream, lane, name, label, start, end, nbytes, work)
         self._lane_free[lane] = max(self._lane_free[lane], op.end_us)
         self._ops.append(op)
         return op
 
-    def _fit(self, ready: float, cost: float) -> float:
-        """Book the earliest compute-lane interval of length `cost` starting at or after `ready`."""
+    def _fit(self, ready: float, cost: float) -> tuple[float, float]:
+        """Book `cost` us of the compute lane from `ready` on, in the idle gaps between kernels booked
+        earlier (another stream's, waiting on their own events), and return (first start, last end).
+
+        Work-conserving, like a GPU running kernels of two streams at once: a long forward kernel that
+        becomes ready while a dedicated stream's short kernels are queued further ahead shares the
+        lane with them instead of waiting for a gap it would fit whole (which, with gaps shorter than it,
+        would be after the last of them). Kernels already booked keep their times."""
         starts, ends = self._busy_start, self._busy_end
         drop = bisect.bisect_right(ends, self.host_us)
         if drop:
             del starts[:drop], ends[:drop]
-        t = ready
+        t, left = ready, cost
         j = bisect.bisect_right(ends, t)  # the first interval still busy after t
-        while j < len(starts) and starts[j] < t + cost:
-            t = max(t, ends[j])
-            j += 1
-        start, end = t, t + cost
-        # record [start, end) before interval j, merged with the neighbours it touches
-        if j > 0 and ends[j - 1] >= t:
-            t = starts[j - 1]
-            j -= 1
+        first = None
+        pieces: list[tuple[float, float]] = []
+        while left > 0:
+            if j < len(starts) and starts[j] <= t:  # inside a busy interval: skip to its end
+                t = ends[j]
+                j += 1
+                continue
+            gap_end = starts[j] if j < len(starts) else math.inf
+            take = min(left, gap_end - t)
+            if take > 0:
+                pieces.append((t, t + take))
+                first = t if first is None else first
+                left -= take
+                t += take
+            if left > 0:
+                t = max(t, gap_end)
+        if first is None:  # a zero-cost kernel
+            first = t
+            pieces.append((t, t))
+        for a, b in pieces:
+            self._book(a, b)
+        return first, pieces[-1][1]
+
+    def _book(self, start: float, end: float) -> None:
+        """Mark [start, end) busy, merged with the intervals it touches."""
+        starts, ends = self._busy_start, self._busy_end
+        j = bisect.bisect_left(ends, start)
+        while j < len(starts) and starts[j] <= end:
+            start, end = min(start, starts[j]), max(end, ends[j])
             del starts[j], ends[j]
-        if j < len(starts) and starts[j] <= end:
-            end = max(end, ends[j])
-            del starts[j], ends[j]
-        starts.insert(j, t)
+        starts.insert(j, start)
         ends.insert(j, end)
-        return start
 
     def host_op(self, nbytes: int, name: str, label: str | None) -> None:
         start = self.host_us

@@ -146,6 +146,18 @@ class ChunkInputs:
         self.order = sorted(members)
         self.members = [members[gi] for gi in self.order]
         self.groups = [dict(run.opt.param_groups[gi], params=ps) for gi, ps in zip(self.order, self.members)]
+        # Every piece a whole param and every state region moved by a run: when the inner step updated all
+        # it was handed in place and added nothing, the chunk's swap-out is its runs and nothing is published
+        # (StepRun.stepped_in_place), without looking at its pieces one by one.
+        regions = prep.regions[k]
+        moved = [i for i, r in enumerate(regions) if r.nbytes and r.host is not None]
+        self.simple = (
+            not self.bound
+            and all(prep.is_whole(pc) for pc in prep.plan.chunks[k].pieces)
+            and all(r.key != GRAD for r in regions)
+            and bool(prep.runs[k])
+            and set(moved) <= prep.covered[k]
+        )
 
     def valid(self, prep: Prepared) -> bool:
         """The flat views still look at their params' memory (``p.data = ...`` rebinds it)."""
@@ -384,12 +396,16 @@ class StepRun:
             if self.snapshots is None:  # on the stream of the step's first update, before any of them
                 self.snapshots = self.snapshot_scalars()
             progress["scalars"] = self.snapshots[k]
+            handed = self.handed(chunk_state) if ci.simple else None
             progress["stage"] = ("update", k)
             run_groups(self.opt, ci.order, groups, chunk_state, self.kwargs)
             ci.unbind()  # the update is issued: the cached views let go of this step's grads
             progress["stage"] = ("output", k)
             progress["chunk"] = (targets, chunk_state, views)
-            copies, hold, finals = self.chunk_output(k, targets, chunk_state, views)
+            if handed is not None and self.stepped_in_place(chunk_state, handed):
+                copies, hold, finals = list(views.runs), [], []
+            else:
+                copies, hold, finals = self.chunk_output(k, targets, chunk_state, views)
             # a run also moves padding: count the bytes of the states it carries
             merged = len(views.runs) if isinstance(views, ChunkViews) else 0
             nbytes = sum(src.numel() * src.element_size() for _, src in copies[merged:])
@@ -438,6 +454,25 @@ class StepRun:
                 per_chunk[k][0].append(value)
                 per_chunk[k][1].append(row)
         return [[pair] if pair[0] else [] for pair in per_chunk]
+
+    @staticmethod
+    def handed(chunk_state: dict) -> tuple[int, list[int], list[Any]]:
+        """What the inner step is handed for a chunk: how many state dicts, their lengths, their values."""
+        dicts = list(chunk_state.values())
+        return len(dicts), list(map(len, dicts)), [v for d in dicts for v in d.values()]
+
+    @staticmethod
+    def stepped_in_place(chunk_state: dict, handed: tuple[int, list[int], list[Any]]) -> bool:
+        """The inner step left every state dict as handed (same keys, the very same objects, so it updated
+        the states in place and created none): nothing to copy but the chunk's runs, nothing to publish, since
+        the scalars handed were the params' own (a chunk of whole params, see ChunkInputs.simple)."""
+        n, lens, values = handed
+        dicts = list(chunk_state.values())
+        return (
+            len(dicts) == n
+            and list(map(len, dicts)) == lens
+            and same_objects([v for d in dicts for v in d.values()], values)
+        )
 
     # ----- stage 4: swap-out and publish --------------------------------------------------------
     def piece_output(self, piece, t: torch.Tensor, pst: dict[str, Any], views: dict[str, tuple]) -> tuple[list, list, dict[str, Any] | None]:
