@@ -179,22 +179,19 @@ def _mode_entry_seconds() -> float:
 
 @functools.cache
 def _frame_entry_seconds() -> float:
-    """CPU time an outermost simulator frame costs beyond what it measures itself (torch calling into a
-    Python mode, the counting wrapper), calibrated on a tensor attribute read, which does no work of its
-    own (0 where no simulator frame runs)."""
-    x = torch.empty(1)
+    """CPU time an outermost simulator frame costs beyond what it measures itself (the wrapper, and the
+    parts of its two clock reads outside the interval they bound: on some hosts a clock read is a system
+    call of several microseconds), calibrated on a frame that does nothing."""
+    frame = host_time.counted(lambda: None)
     n = 4000
 
-    def reads() -> None:
+    def frames() -> None:
         for _ in range(n):
-            x.dim()
+            frame()
 
-    before, calls = host_time.seconds(), host_time.calls()
-    total = host_cpu_seconds(reads)
-    entered = host_time.calls() - calls
-    if entered == 0:
-        return 0.0
-    return max((total - (host_time.seconds() - before)) / entered, 0.0)
+    before = host_time.seconds()
+    total = host_cpu_seconds(frames)
+    return max((total - (host_time.seconds() - before)) / n, 0.0)
 
 
 def count_call(fn: Callable[[], Any]) -> StepCounts:
