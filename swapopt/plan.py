@@ -224,10 +224,10 @@ def make_plan(
         ramps = ramp_budgets(budget) if ramp and total >= RAMP_MIN_CHUNKS * budget else ()
         chunks = chunk_pieces(swapped, budget, align, keep_whole=True, ramp=ramps)
     else:
-        # Prefer whole params (no cuts at chunk boundaries): a cut costs a copy per state and direction at
-        # each chunk boundary and extra work on the failure path. Keep them whole when that costs at most
-        # a quarter more bytes per chunk than an even split, or at most EXTRA_CHUNKS times more chunks of
-        # that same size (staging memory unchanged); otherwise cut params to hold `times` even chunks.
+        # Prefer whole params (no cuts at chunk boundaries): a cut costs a copy per state and direction in
+        # each chunk it spans and extra work on the failure path. Keep them whole when that costs at most a
+        # quarter more bytes per chunk than an even split, with `times` chunks or else up to EXTRA_CHUNKS
+        # times as many; otherwise cut params to hold `times` even chunks.
         base = budget_for(total, times)
         limit = base + base // 4
         budget = _smallest_budget(swapped, base, max(total, 1), times, align, keep_whole=True)
