@@ -12,8 +12,9 @@ from pydantic import BaseModel, ConfigDict, Field
 class SwapConfig(BaseModel):
     """Optimizer-state swapping switches.
 
-    ``swap_optimizer_times``: about how many chunks the swapped states are split into per step (the planner
-    may use up to 1.5x as many chunks of the even size to avoid cutting params; swapopt.plan).
+    ``swap_optimizer_times``: about how many chunks the swapped states are split into per step (to avoid
+    cutting params the planner may use chunks up to 25% larger or up to 1.5x as many, and from 8 chunks on
+    it adds up to 3 smaller first ones unless ``prefetch`` is on; swapopt.plan).
     ``chunk_mb``: byte budget per chunk (MiB); overrides ``swap_optimizer_times`` when set.
     ``slots``: staging buffers on the device (3: one filling, one computing, one draining).
     ``resident_mb``: states that fit this budget (MiB) stay on the device and are stepped first.
