@@ -418,3 +418,28 @@ def test_resident_and_split_params_bitwise(sim, knobs):
         assert any(pc.start > 0 for c in prep.plan.chunks for pc in c.pieces), "no param is split"
     assert used == STEPS - 2
     _assert_bitwise(model, opt, twin, ref)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
+def test_prefetch_budget_is_the_staging_and_the_step_keeps_its_cap(sim, overlap):
+    # The prefetch allocates the step's staging (slots x slot bytes) and nothing else; from there to the end
+    # of the step the extra device memory stays within (slots + 1) x chunk, as without prefetch.
+    slots = 3
+    model, opt, x = _stepped(width=128, chunks=8, overlap=overlap, slots=slots)
+    for _ in range(2):
+        opt.zero_grad(set_to_none=True)
+        loss = model(x).square().mean()  # the forward hook prefetched: drop it to measure one by hand
+        assert opt.operate.discard_prefetch()
+        before = sim.memory_allocated()
+        assert opt.prefetch()
+        staging = sim.memory_allocated() - before
+        assert staging == slots * opt._layout.prepared.slot_bytes
+        loss.backward()
+        base = sim.memory_allocated() - staging  # what the step would start from without the prefetch
+        sim.reset_peak_memory_stats()
+        opt.step()
+        chunk = opt._layout.prepared.plan.max_chunk_bytes
+        extra = sim.max_memory_allocated() - base
+        assert staging <= extra <= (slots + 1) * chunk, f"{extra} > {slots + 1} x {chunk}"
+    opt.wait_for_update()
+    opt.wait_for_swap_out()
