@@ -10,7 +10,7 @@ from loguru import logger
 
 import device
 from device import sim as simulator
-from swapopt import SwapConfig, SwapOptimizer
+from swapopt import SwapOptimizer
 from swapopt.hoststate import is_swapped_state
 
 O = torch.optim

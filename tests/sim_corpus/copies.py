@@ -9,7 +9,7 @@ import torch
 import device
 
 from . import OK, RACE, program
-from .common import N, d2h, h2d, pinned, side_stream
+from .common import N, d2h, h2d, side_stream
 
 G = "copies"
 
