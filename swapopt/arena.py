@@ -26,6 +26,26 @@ def itemsize(dtype: torch.dtype) -> int:
     return dtype.itemsize
 
 
+def pack(items: Sequence[tuple[int, int]]) -> list[tuple[list[int], list[int], int]]:
+    """Byte offsets of ``items`` (nbytes, itemsize), packed in order without padding (pinned bytes stay
+    equal to state bytes); an item whose itemsize does not divide the bytes before it starts a new arena.
+    Per arena: the indices of its items, their offsets and its size."""
+    arenas: list[tuple[list[int], list[int], int]] = []
+    members: list[int] = []
+    offsets: list[int] = []
+    end = 0
+    for i, (nbytes, size) in enumerate(items):
+        if end % size:
+            arenas.append((members, offsets, end))
+            members, offsets, end = [], [], 0
+        members.append(i)
+        offsets.append(end)
+        end += nbytes
+    if members:
+        arenas.append((members, offsets, end))
+    return arenas
+
+
 @dataclass(eq=False)
 class Run:
     """Slot bytes ``[offset, offset + nbytes)`` mirror ``host`` (a uint8 view of an arena)."""

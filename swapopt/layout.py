@@ -20,7 +20,7 @@ from loguru import logger
 
 import device
 from swapopt import hoststate, perparam
-from swapopt.arena import Arenas, Run, itemsize
+from swapopt.arena import Arenas, Run, itemsize, pack
 from swapopt.hoststate import is_swapped_state, local, new_host_like, wrap_like
 from swapopt.plan import DEFAULT_ALIGN, SLOT_ALIGN as _SLOT_ALIGN, ParamSize, Plan, make_plan
 
@@ -330,6 +330,9 @@ class HostLayout:
         prep = self.prepared
         if prep is not None and self.still_valid(prep, params, groups):
             return prep
+        # A prefetch was made for the plan that no longer holds, and the re-plan below may move the host
+        # states its copies read: drop it first (it is only a device copy of them).
+        self.opt.operate.discard_prefetch()
         for p in params:  # resident params keep device states: nothing to check for them
             if p not in self.resident and not self.check_host(p):
                 self.cache_host(p)
@@ -350,7 +353,7 @@ class HostLayout:
             sizes.append(ParamSize(i, local(p).numel(), nbytes, flat[i], regions))
         chunk_bytes = None if self.opt.chunk_mb is None else int(self.opt.chunk_mb * MiB)
         # With prefetch the first chunks stream in under the backward: no ramp (Note [ramp] in swapopt.plan)
-        ramp = not getattr(self.opt, "prefetch_enabled", False)
+        ramp = not self.opt.prefetch_enabled
         settings = (self.opt.swap_optimizer_times, chunk_bytes, int(self.opt.resident_mb * MiB), DEFAULT_ALIGN, ramp)
         plan_key = (tuple(sizes), settings)
         if self.plan_cache is not None and self.plan_cache[0] == plan_key:
@@ -438,16 +441,9 @@ class HostLayout:
         nstates = nbytes = 0
         while moves:  # arena by arena, so the old copies are let go of as the new ones are filled
             want = moves.pop(0)
-            placed: list[tuple[torch.Tensor, str, torch.Tensor, int]] = []
-            end = 0
-            for p, key, stored in want:
-                loc = local(stored)
-                if end % loc.element_size():  # packed without padding: a misaligned dtype starts a new arena
-                    self.move(placed, end)
-                    placed, end = [], 0
-                placed.append((p, key, stored, end))
-                end += loc.numel() * loc.element_size()
-            self.move(placed, end)
+            sizes = [(hoststate.state_nbytes(s), local(s).element_size()) for _, _, s in want]
+            for members, offsets, size in pack(sizes):
+                self.move([(*want[i], offset) for i, offset in zip(members, offsets)], size)
             nstates += len(want)
             nbytes += sum(hoststate.state_nbytes(s) for _, _, s in want)
         logger.debug(
@@ -513,8 +509,8 @@ class HostLayout:
             # Params whose states are all param-shaped go into one arena per group of chunks (see relayout),
             # at the offsets their regions take in the slot, so each chunk's states later move in one copy
             # per run (swapopt.arena); a split param's states lie whole where its first piece is.
-            placed: list[tuple[torch.Tensor, str, torch.dtype, int]] = []
-            end = 0
+            placed: list[tuple[torch.Tensor, str, torch.dtype]] = []
+            sizes: list[tuple[int, int]] = []
             for piece in (pc for chunk in group for pc in chunk.pieces):
                 i = piece.index
                 p = prep.params[i]
@@ -530,13 +526,10 @@ class HostLayout:
                     continue
                 out[p] = {}
                 for key, dtype, _ in probed[1]:
-                    size = itemsize(dtype)
-                    if end % size:  # packed without padding: a misaligned dtype starts a new arena
-                        self.place(placed, end, out)
-                        placed, end = [], 0
-                    placed.append((p, key, dtype, end))
-                    end += loc.numel() * size
-            self.place(placed, end, out)
+                    placed.append((p, key, dtype))
+                    sizes.append((loc.numel() * itemsize(dtype), itemsize(dtype)))
+            for members, offsets, size in pack(sizes):
+                self.place([(*placed[i], offset) for i, offset in zip(members, offsets)], size, out)
         # Every param had its states: while this plan holds (same state dicts, see still_valid) none lacks any.
         prep.preallocated = not out
         return out

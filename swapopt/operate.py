@@ -42,7 +42,6 @@ class Prefetched:
     nslots: int
     staging: list[torch.Tensor]
     stream: Any  # the stream the staging was allocated on (the current one at prefetch time)
-    token: Any  # what the caller prefetched for (its plan); the step compares it before adopting
     h2d_events: dict[int, Any] = field(default_factory=dict)  # chunk -> event after its swap-in
     payload: Any = None  # the caller's per-chunk views of the slots
 
@@ -186,7 +185,7 @@ class SwapOptimizerOperate:
         else:
             prefetched = None
             self.discard_prefetch()
-            self.nslots = max(1, min(self.slots, n_chunks))
+            self.nslots = self.slots_for(n_chunks)
             self._staging = self._allocate(self.nslots, slot_bytes, dev)
             self._staging_stream = None
         self._slot_free = [None] * self.nslots
@@ -207,10 +206,28 @@ class SwapOptimizerOperate:
             for t in self._snapshots:
                 self.keep_for_update(t)
         self._snapshots = []
+        self._order_h2d_after(start)
+
+    def slots_for(self, n_chunks: int) -> int:
+        """Staging slots a step of ``n_chunks`` chunks uses: no more than it has chunks."""
+        return max(1, min(self.slots, n_chunks))
+
+    def _order_h2d_after(self, entry: Any) -> None:
+        """No swap-in starts before ``entry`` (where its staging was allocated) or before the last step's
+        last swap-out (the host states it wrote are read again)."""
         h2d = self.h2d_stream
-        h2d.wait_event(start)
-        if self._last_d2h is not None:  # host states the last step wrote are read again now
+        h2d.wait_event(entry)
+        if self._last_d2h is not None:
             h2d.wait_event(self._last_d2h)
+
+    def _copy_in(self, label: str, copies: Copies) -> Any:
+        """Queue host -> slot copies on the H2D stream; the event after them."""
+        h2d = self.h2d_stream
+        with torch.profiler.record_function(label):
+            with self.mod.stream(h2d):
+                for dst, src in copies:
+                    dst.copy_(src, non_blocking=True)
+            return h2d.record_event()
 
     @staticmethod
     def _allocate(nslots: int, slot_bytes: int, dev: torch.device) -> list[torch.Tensor]:
@@ -220,20 +237,16 @@ class SwapOptimizerOperate:
         return self._staging[k % self.nslots] if self._staging else None
 
     # ----- prefetch: the first swap-ins of the next step, issued ahead of it --------------------------
-    def prefetch_begin(self, n_chunks: int, slot_bytes: int, dev: torch.device, token: Any) -> Prefetched:
+    def prefetch_begin(self, n_chunks: int, slot_bytes: int, dev: torch.device) -> Prefetched:
         """Allocate the next step's staging now, on the current stream, and order the H2D stream after
         this point (the allocation) and after the last step's last swap-out (the host states it wrote),
         as begin() does. The slots stay allocated until the step adopts them or they are discarded."""
         if self.prefetched is not None:
             raise RuntimeError("a prefetch is already pending; adopt or discard it first")
         stream = self.mod.current_stream()
-        nslots = max(1, min(self.slots, n_chunks))
-        pf = Prefetched(n_chunks, nslots, self._allocate(nslots, slot_bytes, dev), stream, token)
-        entry = stream.record_event()
-        h2d = self.h2d_stream
-        h2d.wait_event(entry)
-        if self._last_d2h is not None:
-            h2d.wait_event(self._last_d2h)
+        nslots = self.slots_for(n_chunks)
+        pf = Prefetched(n_chunks, nslots, self._allocate(nslots, slot_bytes, dev), stream)
+        self._order_h2d_after(stream.record_event())
         self.prefetched = pf
         return pf
 
@@ -244,14 +257,8 @@ class SwapOptimizerOperate:
     def prefetch_in(self, k: int, copies: Copies) -> None:
         """Copy host -> prefetched slot for chunk k on the H2D stream (fresh slots: nothing to wait for)."""
         pf = self.prefetched
-        if pf is None or not copies:
-            return
-        h2d = self.h2d_stream
-        with torch.profiler.record_function(f"swapopt.prefetch[{k}]"):
-            with self.mod.stream(h2d):
-                for dst, src in copies:
-                    dst.copy_(src, non_blocking=True)
-            pf.h2d_events[k] = h2d.record_event()
+        if pf is not None and copies:
+            pf.h2d_events[k] = self._copy_in(f"swapopt.prefetch[{k}]", copies)
 
     def discard_prefetch(self) -> bool:
         """Drop a prefetch the step will not use: the host waits for its copies (what follows may write
@@ -272,15 +279,10 @@ class SwapOptimizerOperate:
         """Copy host -> slot for chunk k on the H2D stream, after the slot's last D2H."""
         if not copies:
             return
-        h2d = self.h2d_stream
-        with torch.profiler.record_function(f"swapopt.swap_in[{k}]"):
-            free = self._slot_free[k % self.nslots]
-            if free is not None:
-                h2d.wait_event(free)
-            with self.mod.stream(h2d):
-                for dst, src in copies:
-                    dst.copy_(src, non_blocking=True)
-            self.h2d_events[k] = h2d.record_event()
+        free = self._slot_free[k % self.nslots]
+        if free is not None:
+            self.h2d_stream.wait_event(free)
+        self.h2d_events[k] = self._copy_in(f"swapopt.swap_in[{k}]", copies)
 
     def begin_update(self, k: int) -> None:
         """Order the update stream after chunk k's swap-in (or its slot's last D2H), and drop the
@@ -346,15 +348,19 @@ class SwapOptimizerOperate:
         end.record(d2h)
         # only a finished step's events are paired: a failed step never pairs with an older end
         self._start, self._end, self._pending_start = self._pending_start, end, None
+        # The staging was allocated on the compute stream (or, prefetched, on the stream of the forward) and
+        # used on the D2H stream; on the H2D and update streams too where no stream its allocator pairs it
+        # with waited for them (prefetched: filled ahead; overlap: the compute stream never waits).
+        users = [d2h]
+        if self._staging_stream is not None or self.overlap:
+            users.append(self.h2d_stream)
+        if self._staging_stream is not None and self._compute is not self._staging_stream:
+            users.append(self._compute)
+        if self.overlap:
+            users.append(self.update_stream)
         for t in self._staging:
-            device.record_stream(t, d2h)
-            if self._staging_stream is not None:  # prefetched: allocated on another stream, filled ahead
-                device.record_stream(t, self.h2d_stream)
-                if self._compute is not self._staging_stream:
-                    device.record_stream(t, self._compute)
-            if self.overlap:  # the compute stream never waited for the swap-ins or the updates
-                device.record_stream(t, self.h2d_stream)
-                device.record_stream(t, self.update_stream)
+            for stream in users:
+                device.record_stream(t, stream)
         for held in self._held:
             for t in held:
                 device.record_stream(t, d2h)

@@ -360,16 +360,13 @@ class SwapOptimizer(torch.optim.Optimizer):
         self.operate.bind(mod)  # another module: a prefetch made with the old one is dropped
         self.operate.begin_step()  # swap_stats() must not pair this step's start with an older end
         try:
-            pf = self._usable_prefetch(params, groups)
+            # A prefetch outlives prepare() only when the plan it was made for still holds (see prepare)
             prep = layout.prepare(params, groups)
-            if pf is not None and pf.token != (prep, layout.version):  # never with still_valid; kept exact
-                self.operate.discard_prefetch()
-                pf = None
             # States this step creates get their pinned host memory before any param is touched, so a
             # failing allocation leaves every param untouched (Note [failure semantics], swapopt.recovery).
             layout.pre_hosts = layout.preallocate(prep)
             self._snapshot_hyper(prep.group_ids)
-            run = pipeline.StepRun(self, prep, kwargs, pf)
+            run = pipeline.StepRun(self, prep, kwargs, self.operate.prefetched)
             run.run()
         except BaseException as exc:
             layout.pre_hosts = {}
@@ -388,22 +385,6 @@ class SwapOptimizer(torch.optim.Optimizer):
             "swapopt step {}: {} chunks, H2D {:.1f} MiB, D2H {:.1f} MiB, staging {:.1f} MiB, {} resident params",
             st.steps + 1, n, run.h2d / MiB, run.d2h / MiB, op.peak_staging_bytes / MiB, len(prep.resident),
         )  # fmt: skip
-
-    def _usable_prefetch(self, params: list[torch.Tensor], groups: list[int]) -> Any:
-        """The pending prefetch if this step runs the plan it was made for: the layout still holds that
-        very Prepared, its version is unchanged and it is still valid for these params (what prepare()
-        checks before returning it as is). Otherwise it is dropped here, before prepare() may move or
-        replace the host states its copies read."""
-        pf = self.operate.prefetched
-        if pf is None:
-            return None
-        layout = self._layout
-        prep, version = pf.token
-        if layout.prepared is prep and layout.version == version and layout.still_valid(prep, params, groups):
-            return pf
-        logger.debug("swapopt: the plan changed since the prefetch; swapping in afresh")
-        self.operate.discard_prefetch()
-        return None
 
     def _snapshot_hyper(self, groups: Iterable[int]) -> None:
         """Step-time copies of the tensor hyperparameters (lr tensors, tensor betas) of the given groups,

@@ -553,13 +553,14 @@ class StepRun:
 def prefetch(opt: Any, prep: Prepared) -> bool:
     """Stage 1 of the next step over ``prep``, issued now: allocate its staging on the current stream and
     queue the swap-ins of its first S-1 chunks (swapopt.operate.prefetch_begin). The step adopts them if
-    it runs this very plan (``token``), else discards them. Returns whether anything was issued."""
+    it runs this very plan; a re-plan discards them first (HostLayout.prepare). Returns whether anything
+    was issued."""
     op = opt.operate
     n = len(prep.plan.chunks)
-    ahead = min(op.slots, n) - 1
+    ahead = op.slots_for(n) - 1
     if ahead < 1 or not prep.slot_bytes:  # one slot, or nothing staged: nothing can be swapped in ahead
         return False
-    pf = op.prefetch_begin(n, prep.slot_bytes, device.torch_device(opt._device), token=(prep, opt._layout.version))
+    pf = op.prefetch_begin(n, prep.slot_bytes, device.torch_device(opt._device))
     run = StepRun(opt, prep, {})
     try:
         pf.payload = {j: run.swap_in(j, ahead=True) for j in range(ahead)}

@@ -7,6 +7,7 @@ import pytest
 import torch
 from dist_utils import adopt, matches_snapshot, snapshot_params
 from loguru import logger
+from stepping import Boom, fail_on_call
 
 import device
 from device import sim as simulator
@@ -14,26 +15,6 @@ from swapopt import SwapOptimizer
 from swapopt.hoststate import is_swapped_state
 
 O = torch.optim
-
-
-class Boom(RuntimeError):
-    pass
-
-
-def _fail_on_call(opt: SwapOptimizer, n: int):
-    """Make the inner optimizer raise on its n-th per-chunk call (0-based) of the next step."""
-    real = opt._step_fn
-    calls = []
-
-    def step_fn(o, *args, **kwargs):
-        if o is opt.optimizer:
-            calls.append(1)
-            if len(calls) == n + 1:
-                raise Boom(f"injected failure in chunk {n}")
-        return real(o, *args, **kwargs)
-
-    opt._step_fn = step_fn
-    return lambda: setattr(opt, "_step_fn", real)
 
 
 def _compare(ps, opt, rs, ref):
@@ -77,7 +58,7 @@ def test_failure_in_chunk_k(name, fail_step, fail_chunk):
                 ref.step()
                 continue
             base = dev.memory_allocated() - _scalar_bytes(dev, opt, ps)
-            restore = _fail_on_call(opt, fail_chunk)
+            restore = fail_on_call(opt, fail_chunk)
             with pytest.raises(Boom):
                 opt.step()
             restore()
@@ -248,7 +229,7 @@ def test_straddling_param_left_partial_is_reported(name, mode, fail_step):
                 old = snapshot_params(rs, ref.state)
                 base = dev.memory_allocated() - _scalar_bytes(dev, opt, ps)
                 if mode == "inside_update":
-                    restore = _fail_on_call(opt, k)
+                    restore = fail_on_call(opt, k)
                     with pytest.raises(Boom):
                         opt.step()
                     restore()

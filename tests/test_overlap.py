@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from stepping import Boom, adamw, assert_matches_reference, fail_on_call, mlp, step_reference_as_failed
 from torch import nn
 
 from device.sim import StreamRaceError
@@ -14,16 +15,8 @@ STEPS = 4
 CHUNKS = 4
 
 
-def _mlp(seed: int = 0, width: int = 32, depth: int = 4) -> nn.Sequential:
-    torch.manual_seed(seed)
-    layers: list[nn.Module] = []
-    for _ in range(depth):
-        layers += [nn.Linear(width, width), nn.Tanh()]
-    return nn.Sequential(*layers, nn.Linear(width, 4))
-
-
 def _three_steps(model: nn.Module, opt: torch.optim.Optimizer) -> None:
-    """Three steps of the width-32 _mlp on seeded inputs: zero_grad, forward, backward, step."""
+    """Three steps of the width-32 mlp on seeded inputs: zero_grad, forward, backward, step."""
     torch.manual_seed(1)
     for _ in range(3):
         opt.zero_grad(set_to_none=True)
@@ -31,19 +24,11 @@ def _three_steps(model: nn.Module, opt: torch.optim.Optimizer) -> None:
         opt.step()
 
 
-def _inner(kind: str, params) -> torch.optim.Optimizer:
-    if kind == "fused":
-        return torch.optim.AdamW(params, lr=torch.full((), 1e-2), weight_decay=0.1, fused=True)
-    if kind == "foreach":
-        return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, foreach=True)
-    raise ValueError(kind)
-
-
 def _train(kind: str, wrap: str, steps: int = STEPS, scaler: bool = False) -> tuple[list[torch.Tensor], list]:
     """Losses and final params of a short loop: zero_grad(set_to_none) -> forward -> backward -> clip ->
     (GradScaler-like attributes) -> step -> scheduler; ``wrap``: "none" | "off" | "on"."""
-    model = _mlp()
-    inner = _inner(kind, model.parameters())
+    model = mlp()
+    inner = adamw(kind, model.parameters())
     if wrap == "none":
         opt: torch.optim.Optimizer = inner
     else:
@@ -85,7 +70,7 @@ def test_losses_and_params_bitwise_equal_on_and_off(sim, kind, scaler):
     for run in (off, on):
         assert all(torch.equal(a, b) for a, b in zip(run[0], ref[0]))
         assert all(torch.equal(a, b) for a, b in zip(run[1], ref[1]))
-    assert not torch.equal(ref[1][0], _mlp()[0].weight)  # the loop did train
+    assert not torch.equal(ref[1][0], mlp()[0].weight)  # the loop did train
 
 
 def test_transformer_layers_bitwise_equal_on_and_off(sim):
@@ -113,7 +98,7 @@ def test_transformer_layers_bitwise_equal_on_and_off(sim):
 
 def _stepped(sim, overlap: bool, width: int = 256, depth: int = 4, chunks: int = CHUNKS):
     """A model and its optimizer right after step() of a second training iteration."""
-    model = _mlp(width=width, depth=depth)
+    model = mlp(width=width, depth=depth)
     opt = SwapOptimizer(
         torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True), swap_optimizer_times=chunks, overlap_forward=overlap
     )
@@ -160,7 +145,7 @@ def test_zero_grad_in_place_and_state_dict_are_ordered_after_the_update(sim):
 
 
 def test_missing_attach_is_a_clear_error_at_the_first_step(sim):
-    model = _mlp()
+    model = mlp()
     opt = SwapOptimizer(torch.optim.AdamW(model.parameters()), overlap_forward=True)
     model(torch.randn(2, 32)).sum().backward()
     before = [p.detach().clone() for p in model.parameters()]
@@ -175,7 +160,7 @@ def test_missing_attach_is_a_clear_error_at_the_first_step(sim):
 
 
 def test_config_and_class_forms_pass_the_knob(sim):
-    model = _mlp()
+    model = mlp()
     opt = SwapConfig(swap_optimizer=True, overlap_forward=True).wrap(torch.optim.AdamW(model.parameters()))
     assert isinstance(opt, SwapOptimizer) and opt.overlap_forward
     assert SwapAdamW(model.parameters(), overlap_forward=True).overlap_forward
@@ -213,7 +198,7 @@ def test_timeline_next_forward_starts_under_the_last_update(sim, overlap):
 
 def test_peak_extra_memory_of_the_step_stays_within_slots_plus_one_chunks(sim):
     slots = 3
-    model = _mlp(width=128)
+    model = mlp(width=128)
     opt = SwapOptimizer(torch.optim.AdamW(model.parameters(), foreach=True), swap_optimizer_times=8, slots=slots, overlap_forward=True)
     opt.attach(model)
     x = torch.randn(8, 128)
@@ -229,10 +214,6 @@ def test_peak_extra_memory_of_the_step_stays_within_slots_plus_one_chunks(sim):
     opt.wait_for_update()
 
 
-class _Boom(RuntimeError):
-    pass
-
-
 def test_failing_step_drains_the_update_stream_and_keeps_completed_chunks(sim):
     torch.manual_seed(0)
     ps = nn.ParameterList(nn.Parameter(torch.randn(4, 5)) for _ in range(6))
@@ -240,14 +221,6 @@ def test_failing_step_drains_the_update_stream_and_keeps_completed_chunks(sim):
     opt = SwapOptimizer(torch.optim.AdamW(ps, lr=1e-2, foreach=True), swap_optimizer_times=3, overlap_forward=True)
     opt.attach(ps)
     ref = torch.optim.AdamW(rs, lr=1e-2, foreach=True)
-    real, calls = opt._step_fn, []
-
-    def failing(o, *args, **kwargs):
-        calls.append(1)
-        if len(calls) == 2:  # the update of chunk 1 of the failing step
-            raise _Boom("injected")
-        return real(o, *args, **kwargs)
-
     for step in range(4):
         grads = [torch.randn(4, 5) for _ in ps]
         for p, r, g in zip(ps, rs, grads):
@@ -256,26 +229,18 @@ def test_failing_step_drains_the_update_stream_and_keeps_completed_chunks(sim):
             opt.step()
             ref.step()
             continue
-        opt._step_fn = failing
-        with pytest.raises(_Boom):
+        restore = fail_on_call(opt, 1)  # the update of chunk 1 of the failing step
+        with pytest.raises(Boom):
             opt.step()
-        opt._step_fn = real
+        restore()
         assert not opt.operate.pending  # the host waited for every update already issued
-        done = {pc.index for c in opt._layout.prepared.plan.chunks[:1] for pc in c.pieces}
-        for i, r in enumerate(rs):
-            if i not in done:
-                r.grad = None
-        ref.step()
-    opt.wait_for_update()
-    opt.wait_for_swap_out()
-    for p, r in zip(ps, rs):
-        assert torch.equal(p.detach(), r.detach())
-        assert all(torch.equal(opt.state[p][k], v) for k, v in ref.state[r].items())
+        step_reference_as_failed(opt, ref, rs, chunks_done=1)
+    assert_matches_reference(opt, ps, ref, rs)
 
 
 def test_resident_params_are_updated_on_the_update_stream_too(sim):
     def run(overlap: bool) -> list[torch.Tensor]:
-        model = _mlp()
+        model = mlp()
         # 0.02 MiB keeps a few params' states resident: they are stepped before the chunks
         opt = SwapOptimizer(
             torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True),
@@ -295,7 +260,7 @@ def test_resident_params_are_updated_on_the_update_stream_too(sim):
 
 def test_updates_stream_in_registration_order_not_group_order(sim):
     def run(overlap: bool):
-        model = _mlp()
+        model = mlp()
         decay = [p for n, p in model.named_parameters() if n.endswith("weight")]
         no_decay = [p for n, p in model.named_parameters() if n.endswith("bias")]
         groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]

@@ -10,6 +10,7 @@ import warnings
 
 import pytest
 import torch
+from stepping import Boom, adamw, assert_matches_reference, fail_on_call, mlp, step_reference_as_failed
 from torch import nn
 
 from swapopt import SwapAdamW, SwapConfig, SwapOptimizer
@@ -17,20 +18,6 @@ from swapopt.engine.config import AdamWConfig
 
 CHUNKS = 4
 STEPS = 4
-
-
-def _mlp(width: int = 32, depth: int = 4) -> nn.Sequential:
-    torch.manual_seed(0)
-    layers: list[nn.Module] = []
-    for _ in range(depth):
-        layers += [nn.Linear(width, width), nn.Tanh()]
-    return nn.Sequential(*layers, nn.Linear(width, 4))
-
-
-def _inner(kind: str, params) -> torch.optim.Optimizer:
-    if kind == "fused":
-        return torch.optim.AdamW(params, lr=torch.full((), 1e-2), weight_decay=0.1, fused=True)
-    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, foreach=True)
 
 
 class _Spy:
@@ -63,8 +50,8 @@ class _Spy:
 def _train(kind: str, mode: str, overlap: bool = False, steps: int = STEPS):
     """Params, state dict and optimizer of a short loop. ``mode``: "none" (unwrapped), "off" (no prefetch),
     "auto" (the knob and attach), "manual" (opt.prefetch() after the forward, knob off)."""
-    model = _mlp()
-    inner = _inner(kind, model.parameters())
+    model = mlp()
+    inner = adamw(kind, model.parameters())
     opt: torch.optim.Optimizer = inner
     used = 0
     if mode != "none":
@@ -111,11 +98,11 @@ def test_bitwise_equal_with_prefetch_on_off_and_unwrapped(sim, kind, overlap):
         _same_state_dict(sd, ref_sd)
         # no plan before step 1, a stale one after it (step 1 created the states): steps 3 and 4 prefetch
         assert used == (0 if mode == "off" else STEPS - 2), (mode, used)
-    assert not torch.equal(ref_params[0], _mlp()[0].weight)  # the loop did train
+    assert not torch.equal(ref_params[0], mlp()[0].weight)  # the loop did train
 
 
 def _stepped(width: int = 64, chunks: int = CHUNKS, overlap: bool = False, prefetch: bool = True, **kw):
-    model = _mlp(width=width)
+    model = mlp(width=width)
     opt = SwapOptimizer(
         torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True),
         swap_optimizer_times=chunks, overlap_forward=overlap, prefetch=prefetch, **kw,
@@ -154,7 +141,7 @@ def test_step_issues_no_swap_in_for_prefetched_chunks(sim, overlap):
 
 
 def test_no_prefetch_before_the_first_step_without_attach_or_without_grad(sim):
-    model = _mlp()
+    model = mlp()
     opt = SwapOptimizer(torch.optim.AdamW(model.parameters()), swap_optimizer_times=CHUNKS, prefetch=True)
     assert not opt.prefetch()  # no plan yet
     x = torch.randn(8, 32)
@@ -200,8 +187,8 @@ def test_first_update_starts_sooner_after_the_entry(sim_no_launch):
 
 
 def _reference_pair(width: int = 32):
-    model = _mlp(width)
-    twin = _mlp(width)
+    model = mlp(width=width)
+    twin = mlp(width=width)
     opt = SwapOptimizer(
         torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True), swap_optimizer_times=CHUNKS, prefetch=True
     )
@@ -274,10 +261,6 @@ def test_plan_changes_after_the_prefetch_drop_it_without_a_leak(sim, action):
     _assert_bitwise(model, opt, twin, ref)
 
 
-class _Boom(RuntimeError):
-    pass
-
-
 @pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
 @pytest.mark.parametrize("fail_chunk", [0, 1])
 def test_failing_step_after_a_prefetch_keeps_params_stepped_or_untouched(sim, overlap, fail_chunk):
@@ -289,14 +272,6 @@ def test_failing_step_after_a_prefetch_keeps_params_stepped_or_untouched(sim, ov
     )
     opt.attach(ps)
     ref = torch.optim.AdamW(rs, lr=1e-2, foreach=True)
-    real, calls = opt._step_fn, []
-
-    def failing(o, *args, **kwargs):
-        calls.append(1)
-        if len(calls) == fail_chunk + 1:
-            raise _Boom("injected")
-        return real(o, *args, **kwargs)
-
     for step in range(5):
         grads = [torch.randn(4, 5) for _ in ps]
         for p, r, g in zip(ps, rs, grads):
@@ -311,27 +286,19 @@ def test_failing_step_after_a_prefetch_keeps_params_stepped_or_untouched(sim, ov
         sim.synchronize()
         gc.collect()
         base = sim.memory_allocated()
-        opt._step_fn = failing
-        with pytest.raises(_Boom):
+        restore = fail_on_call(opt, fail_chunk)
+        with pytest.raises(Boom):
             opt.step()
-        opt._step_fn = real
+        restore()
         assert opt.operate.prefetched is None and not opt.operate.pending
         gc.collect()
         assert sim.memory_allocated() <= base, "staging outlived the failed step"
-        done = {pc.index for c in opt._layout.prepared.plan.chunks[:fail_chunk] for pc in c.pieces}
-        for i, r in enumerate(rs):
-            if i not in done:
-                r.grad = None
-        ref.step()
-    opt.wait_for_update()
-    opt.wait_for_swap_out()
-    for p, r in zip(ps, rs):
-        assert torch.equal(p.detach(), r.detach())
-        assert all(torch.equal(opt.state[p][k], v) for k, v in ref.state[r].items())
+        step_reference_as_failed(opt, ref, rs, chunks_done=fail_chunk)
+    assert_matches_reference(opt, ps, ref, rs)
 
 
 def test_knob_plumbing_and_the_ignored_knob_warning(sim):
-    model = _mlp()
+    model = mlp()
     opt = SwapConfig(swap_optimizer=True, prefetch=True).wrap(torch.optim.AdamW(model.parameters()))
     assert isinstance(opt, SwapOptimizer) and opt.prefetch_enabled and not opt.overlap_forward
     assert not SwapConfig().prefetch
@@ -397,7 +364,7 @@ def test_fsdp2_one_rank_prefetch_bitwise(pg, overlap):
 
 @pytest.mark.parametrize("knobs", [{"resident_mb": 0.02}, {"chunk_mb": 3 / 1024}], ids=["resident", "split"])
 def test_resident_and_split_params_bitwise(sim, knobs):
-    model, twin = _mlp(), _mlp()
+    model, twin = mlp(), mlp()
     opt = SwapOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True), prefetch=True, **knobs)
     opt.attach(model)
     ref = torch.optim.AdamW(twin.parameters(), lr=1e-2, foreach=True)

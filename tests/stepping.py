@@ -1,0 +1,68 @@
+"""Pieces the step tests share: a small MLP, the AdamW variants they wrap, a failure injected into the
+inner optimizer's n-th per-chunk call, and the reference a step that failed is compared with."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import nn
+
+from swapopt import SwapOptimizer
+
+
+def mlp(seed: int = 0, width: int = 32, depth: int = 4) -> nn.Sequential:
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.Tanh()]
+    return nn.Sequential(*layers, nn.Linear(width, 4))
+
+
+def adamw(kind: str, params: Iterable[torch.Tensor]) -> torch.optim.Optimizer:
+    """AdamW with decay: "fused" (with a tensor lr) or "foreach"."""
+    if kind == "fused":
+        return torch.optim.AdamW(params, lr=torch.full((), 1e-2), weight_decay=0.1, fused=True)
+    if kind == "foreach":
+        return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, foreach=True)
+    raise ValueError(kind)
+
+
+class Boom(RuntimeError):
+    pass
+
+
+def fail_on_call(opt: SwapOptimizer, n: int) -> Callable[[], None]:
+    """Make the inner optimizer raise on its n-th per-chunk call (0-based) from now on; returns what
+    puts the real step back."""
+    real = opt._step_fn
+    calls = []
+
+    def step_fn(o, *args, **kwargs):
+        if o is opt.optimizer:
+            calls.append(1)
+            if len(calls) == n + 1:
+                raise Boom(f"injected failure in chunk {n}")
+        return real(o, *args, **kwargs)
+
+    opt._step_fn = step_fn
+    return lambda: setattr(opt, "_step_fn", real)
+
+
+def step_reference_as_failed(opt: SwapOptimizer, ref: torch.optim.Optimizer, rs: list[torch.Tensor], chunks_done: int) -> None:
+    """Step the unwrapped reference as the failed step left the swapped params: only those of the first
+    ``chunks_done`` chunks of ``opt``'s plan stepped (the rest untouched: their grads dropped)."""
+    done = {pc.index for c in opt._layout.prepared.plan.chunks[:chunks_done] for pc in c.pieces}
+    for i, r in enumerate(rs):
+        if i not in done:
+            r.grad = None
+    ref.step()
+
+
+def assert_matches_reference(opt: SwapOptimizer, ps, ref: torch.optim.Optimizer, rs: list[torch.Tensor]) -> None:
+    """Params and every state of ``opt`` bitwise those of the unwrapped reference, once its work is done."""
+    opt.wait_for_update()
+    opt.wait_for_swap_out()
+    for p, r in zip(ps, rs):
+        assert torch.equal(p.detach(), r.detach())
+        assert all(torch.equal(opt.state[p][k], v) for k, v in ref.state[r].items())
