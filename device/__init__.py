@@ -29,6 +29,8 @@ if os.environ.get("SWAPOPT_DEVICE", "").strip().lower() == "sim":
 
 __all__ = [
     "CHOICES",
+    "alloc_storage",
+    "free_storage",
     "get_device",
     "get_torch_device_module",
     "is_host_tensor",
@@ -140,6 +142,29 @@ def is_host_tensor(t: torch.Tensor) -> bool:
     if device == "cpu":
         return True
     return t.device.type == "cpu"
+
+
+def free_storage(t: torch.Tensor) -> None:
+    """Give t's memory back to the allocator but keep the tensor object, and every view made of it, for
+    ``alloc_storage`` to give memory again (FSDP frees its unsharded params this way). Call
+    record_stream first for streams other than the allocating one that used the memory."""
+    device = get_device()
+    simulated = _sim_for(device)
+    if simulated is not None:
+        simulated.free_storage(t)
+    else:
+        _local(t).untyped_storage().resize_(0)
+
+
+def alloc_storage(t: torch.Tensor, nbytes: int) -> None:
+    """Memory again for a tensor freed by ``free_storage``, from the allocator of the current stream;
+    the views made of t before it was freed see the new memory (its contents are undefined)."""
+    device = get_device()
+    simulated = _sim_for(device)
+    if simulated is not None:
+        simulated.alloc_storage(t, nbytes)
+    else:
+        _local(t).untyped_storage().resize_(nbytes)
 
 
 def record_stream(t: torch.Tensor, stream: Any) -> None:

@@ -89,7 +89,7 @@ _PROCESS: list[SimDevice] = []
 # Host work of the simulator's own bookkeeping, which a device does not do: device.host_time counts it.
 @counted_methods(
     "current_stream", "default_stream", "set_stream", "synchronize", "memory_allocated", "max_memory_allocated",
-    "reset_peak_memory_stats", "is_host", "pinned_empty", "record_stream",
+    "reset_peak_memory_stats", "is_host", "pinned_empty", "record_stream", "free_storage", "alloc_storage",
 )
 class SimDevice:
     """The torch.cuda-like module surface of one simulated accelerator."""
@@ -117,6 +117,7 @@ class SimDevice:
         self._timeline = Timeline(self.preset)
         self._storages: dict[int, _Storage] = {}  # StorageImpl address -> info; entries die with the storage
         self._uid = 0
+        self._first_uid: dict[int, int] = {}  # storages free_storage emptied (alive, maybe given memory again): their id
         self._live_host = 0
         self._peak_host = 0
         self._actor_names = ["host"]
@@ -293,6 +294,41 @@ class SimDevice:
         info = self._lookup(_local(t).untyped_storage())
         if info is not None:
             info.recorded.add(stream.actor)
+
+    def free_storage(self, t: torch.Tensor) -> None:
+        """Like ``untyped_storage().resize_(0)`` on a device tensor: its block is freed as if the tensor
+        died (record_stream and the free check apply), while the tensor and its views stay, pointing at
+        no memory until alloc_storage."""
+        storage = _local(t).untyped_storage()
+        with self._lock:
+            info = self._lookup(storage)
+            if info is not None:
+                self._first_uid[storage._cdata] = info.uid
+                self._free(storage._cdata, info.uid, dead=False)
+                self._drain_frees()
+            with torch.utils._python_dispatch._disable_current_modes():
+                storage.resize_(0)
+        self._raise_pending()
+
+    def alloc_storage(self, t: torch.Tensor, nbytes: int) -> None:
+        """Like ``untyped_storage().resize_(nbytes)`` on a tensor freed by free_storage: a new device block,
+        allocated on the current stream, under the storage's first id (its finalizer frees the block when
+        the storage dies)."""
+        storage = _local(t).untyped_storage()
+        with self._lock:
+            if self._lookup(storage) is not None:
+                raise RuntimeError("alloc_storage: the tensor still has its memory; free_storage it first")
+            first = self._first_uid.get(storage._cdata)
+            stream = self.current_stream()
+            with torch.utils._python_dispatch._disable_current_modes():
+                storage.resize_(nbytes)
+            try:
+                info = self._register(storage, DEVICE, stream.actor, uid=first)
+            except OutOfMemoryError:
+                with torch.utils._python_dispatch._disable_current_modes():
+                    storage.resize_(0)
+                raise
+            self._allocated(info, stream)
 
     # ----- clocks and time ---------------------------------------------------------------------
     def _name_actor(self, actor: int, name: str | None) -> str:
@@ -475,10 +511,13 @@ class SimDevice:
     def _lookup(self, storage: Any) -> _Storage | None:
         return self._storages.get(storage._cdata)
 
-    def _register(self, storage: Any, kind: str, actor: int = HOST) -> _Storage:
-        self._uid += 1
+    def _register(self, storage: Any, kind: str, actor: int = HOST, uid: int | None = None) -> _Storage:
+        """Track a storage from now on; ``uid``: a storage alloc_storage gives memory again, which keeps its
+        first id and finalizer."""
         key = storage._cdata
-        info = _Storage(self._uid, kind, storage.nbytes(), actor)
+        if uid is None:
+            self._uid += 1
+        info = _Storage(uid or self._uid, kind, storage.nbytes(), actor)
         self._storages[key] = info
         if kind == DEVICE:
             block = self._memory().allocate(info.nbytes)
@@ -486,7 +525,9 @@ class SimDevice:
                 del self._storages[key]
                 raise self._oom(info.nbytes)
             info.block = block
-        finalizer = weakref.finalize(storage, self._on_free, key, self._uid)
+        if uid is not None:
+            return info
+        finalizer = weakref.finalize(storage, self._on_free, key, info.uid)
         finalizer.atexit = False
         if kind == HOST_MEM:
             self._live_host += info.nbytes
@@ -515,7 +556,11 @@ class SimDevice:
         while self._late_frees:
             self._free(*self._late_frees.pop(0))
 
-    def _free(self, key: int, uid: int) -> None:
+    def _free(self, key: int, uid: int, dead: bool = True) -> None:
+        """The block of storage ``key`` (id ``uid``) is freed: the storage died (its finalizer) or, ``dead``
+        False, free_storage gave its memory back."""
+        if dead and self._first_uid.get(key) == uid:
+            del self._first_uid[key]
         info = self._storages.get(key)
         if info is None or info.uid != uid:
             return
@@ -664,6 +709,11 @@ class SimDevice:
                     continue
                 storage = t.untyped_storage()
                 info = self._lookup(storage)
+                if info is None and role != "v" and t.numel() and storage._cdata in self._first_uid:
+                    raise RuntimeError(
+                        f"{func} used a device tensor of shape {tuple(t.shape)} whose memory free_storage gave "
+                        "back (a GPU would fault, or read memory now someone else's)"
+                    )
                 has_input = True
                 has_device = has_device or (info is not None and info.kind == DEVICE)
                 tensor_args.append(_Arg(t, storage, info, role))

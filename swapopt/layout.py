@@ -95,12 +95,14 @@ class Prepared:
     preallocated: bool = False  # a preallocate found nothing to create: none will while this plan holds
     splits: list[Any] = field(default_factory=list)  # per chunk: how the pipeline splits the slot into views
     inputs: list[Any] = field(default_factory=list)  # per chunk: the pipeline's cached inputs (swapopt.pipeline)
+    views: list[Any] = field(default_factory=list)  # per chunk: its slot views (Note [persistent slots])
     scalars: Any = None  # the scalar states the pipeline snapshots each step, and what validates them
 
     def __post_init__(self) -> None:
         # filled lazily by the pipeline, chunk by chunk, at the plan's first step
         self.splits = self.splits or [None] * len(self.plan.chunks)
         self.inputs = self.inputs or [None] * len(self.plan.chunks)
+        self.views = self.views or [None] * len(self.plan.chunks)
 
     def is_whole(self, piece: Any) -> bool:
         """The piece is its param's whole range (a param not split is stepped as itself)."""

@@ -19,6 +19,13 @@ With prefetch (``prefetch_begin``), the staging and the swap-ins of the first S-
 before the step, typically right after the forward, so they run under the loss and the backward; the
 step's ``begin`` then adopts them instead of allocating and swapping in again, or ``discard_prefetch``
 drops them. Nothing here knows about optimizers.
+
+Note [persistent slots]: the slot tensors outlive the step that uses them, without their memory. At
+the end of a step (or of a discarded prefetch) each slot's memory goes back to the allocator with
+device.free_storage, after record_stream for every stream that used it, as dropping the tensor would;
+the next step gives the same tensor objects memory again with device.alloc_storage, on the stream it
+allocates on. Views made of a slot see whatever memory it has, so the pipeline makes its slot views
+once per plan, not once per step. A change of slot size or device makes new slot tensors.
 """
 
 from __future__ import annotations
@@ -64,7 +71,9 @@ class SwapOptimizerOperate:
         self._snapshots: list[torch.Tensor] = []  # this step's copies of hyperparameters (snapshot)
         self._compute: Any = None
         self.nslots = 0
-        self._staging: list[torch.Tensor] = []
+        self._staging: list[torch.Tensor] = []  # the running step's slots (with memory)
+        self._slot_store: list[torch.Tensor] = []  # Note [persistent slots]: every slot tensor made so far
+        self._slot_key: tuple = ()  # the (bytes, device) of the slots in _slot_store
         self._slot_free: list[Any] = []  # per slot: the D2H event of its last user
         self._held: list[list[torch.Tensor]] = []  # per slot: device tensors an in-flight D2H reads
         self._held_bytes = 0
@@ -91,6 +100,7 @@ class SwapOptimizerOperate:
             self.release_staging()  # also discards a prefetch: its events belong to the old module
             self.sync_updates()
         self.mod, self._h2d, self._d2h, self._upd = mod, None, None, None
+        self._slot_store, self._slot_key = [], ()
         self._last_d2h = None
         self.pending.clear()
         self._swap_in.clear()
@@ -229,9 +239,32 @@ class SwapOptimizerOperate:
                     dst.copy_(src, non_blocking=True)
             return h2d.record_event()
 
+    def _allocate(self, nslots: int, slot_bytes: int, dev: torch.device) -> list[torch.Tensor]:
+        """``nslots`` slots of ``slot_bytes`` with memory from the current stream: the slot tensors of the
+        last steps given memory again (Note [persistent slots]), new ones where there are too few."""
+        if not slot_bytes:
+            return []
+        if self._slot_key != (slot_bytes, dev):
+            self._slot_store, self._slot_key = [], (slot_bytes, dev)
+        store = self._slot_store
+        given: list[torch.Tensor] = []
+        try:
+            for i in range(nslots):
+                if i < len(store):
+                    device.alloc_storage(store[i], slot_bytes)
+                else:
+                    store.append(torch.empty(slot_bytes, dtype=torch.uint8, device=dev))
+                given.append(store[i])
+        except BaseException:
+            self._free_slots(given)  # out of memory part way: the slots given memory give it back
+            raise
+        return given
+
     @staticmethod
-    def _allocate(nslots: int, slot_bytes: int, dev: torch.device) -> list[torch.Tensor]:
-        return [torch.empty(slot_bytes, dtype=torch.uint8, device=dev) for _ in range(nslots)] if slot_bytes else []
+    def _free_slots(slots: list[torch.Tensor]) -> None:
+        """The slots' memory goes back to the allocator; the tensors stay (Note [persistent slots])."""
+        for t in slots:
+            device.free_storage(t)
 
     def slot(self, k: int) -> torch.Tensor | None:
         return self._staging[k % self.nslots] if self._staging else None
@@ -271,6 +304,7 @@ class SwapOptimizerOperate:
             event.synchronize()
         for t in pf.staging:
             device.record_stream(t, self.h2d_stream)
+        self._free_slots(pf.staging)
         pf.staging.clear()
         pf.payload = None
         return True
@@ -378,14 +412,15 @@ class SwapOptimizerOperate:
                     self.pending[p] = self._update[p] = self._resident_event
 
     def drain(self) -> None:
-        """Failure path: the host waits for every copy and update already enqueued, then drops staging."""
+        """Failure path: the host waits for every copy and update already enqueued. The staging stays
+        (the recovery reads the slots of a chunk whose update returned) until release_staging."""
         for stream in (self._h2d, self._compute, self._upd, self._d2h):
             if stream is not None:
                 stream.synchronize()
         self.pending.clear()  # the host saw every update: nothing is left to wait for
-        self._drop()
 
     def _drop(self) -> None:
+        self._free_slots(self._staging)
         self._staging = []
         self._staging_stream = None
         self._held = [[] for _ in range(self.nslots)]

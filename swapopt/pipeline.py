@@ -73,9 +73,13 @@ def _split_plan(regions: list[Region], slot_bytes: int) -> list[tuple[torch.dtyp
 
 class ChunkViews(list):
     """Per piece of one chunk: {key: (value the optimizer sees, slot view, host view)}; ``runs``: the
-    (host, slot) byte views of the chunk's merged copies."""
+    (host, slot) byte views of the chunk's merged copies; ``h2d``: the (slot, host) copies of its swap-in.
+    Made once per plan and slot tensor (kept on the Prepared, Note [persistent slots] in swapopt.operate)
+    and never changed after: every step's memory of ``slot`` is seen through the same views."""
 
     runs: list[tuple[torch.Tensor, torch.Tensor]]
+    h2d: list[tuple[torch.Tensor, torch.Tensor]]
+    slot: torch.Tensor | None
 
 
 def real_states(opt: Any, params: Iterable[torch.Tensor]) -> defaultdict:
@@ -158,6 +162,33 @@ class ChunkInputs:
             and bool(prep.runs[k])
             and set(moved) <= prep.covered[k]
         )
+        self.kept: tuple | None = None  # see keep_states
+
+    def keep_states(self, chunk_state: dict, handed: tuple, views: Any, state: Any) -> None:
+        """A simple chunk's update left every state dict as handed (StepRun.stepped_in_place): keep the dicts
+        for the next step, with what take_states checks they still stand for. Each holds the slot views
+        (fixed per plan, Note [persistent slots]) and the param's own scalar states."""
+        if len(chunk_state) != len(self.targets):
+            return  # a param without state: built afresh each step
+        owners = [state.get(t) for t in self.targets]
+        if any(own is None for own in owners):
+            return
+        values = [v for own in owners for v in own.values()]
+        self.kept = (chunk_state, handed, views, owners, list(map(len, owners)), values)
+
+    def take_states(self, views: Any, state: Any) -> tuple[dict, tuple] | None:
+        """The state dicts kept by keep_states and what they were handed as, when the params' own state
+        dicts are still the very dicts, with the very values, they were made from; else None. Taken: a
+        failing update leaves nothing kept."""
+        kept, self.kept = self.kept, None
+        if kept is None:
+            return None
+        chunk_state, handed, kept_views, owners, lens, values = kept
+        if kept_views is not views or not same_objects(list(map(state.get, self.targets)), owners):
+            return None
+        if list(map(len, owners)) != lens or not same_objects([v for own in owners for v in own.values()], values):
+            return None
+        return chunk_state, handed
 
     def valid(self, prep: Prepared) -> bool:
         """The flat views still look at their params' memory (``p.data = ...`` rebinds it)."""
@@ -248,8 +279,7 @@ class StepRun:
     # ----- stage 1: swap-in ---------------------------------------------------------------------
     def region_view(self, r: Region, slot: torch.Tensor | None) -> torch.Tensor:
         """The slot memory of region r, typed and laid out like the host tensor it mirrors: one view op
-        on a typed view of the whole slot, made once per (slot, dtype) and step (staging is freed after
-        every step, so slot views cannot outlive it)."""
+        on a typed view of the whole slot (made once per plan, see chunk_views)."""
         if slot is None or r.nbytes == 0:  # nothing to stage (zero-element states): an empty tensor
             shape = r.shape if r.shape is not None else (0,)
             stride = r.stride if r.stride is not None else (1,)
@@ -265,7 +295,7 @@ class StepRun:
 
     def typed_slot(self, slot: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The whole slot viewed as ``dtype`` (its trailing bytes short of one element left out), made once
-        per (slot, dtype) and step: every region view of that dtype is one op on it."""
+        per (slot, dtype) while views are made: every region view of that dtype is one op on it."""
         key = (slot.data_ptr(), dtype)
         typed = self.typed.get(key)
         if typed is None:
@@ -288,13 +318,27 @@ class StepRun:
         return out
 
     def swap_in(self, k: int, ahead: bool = False) -> ChunkViews:
+        """Chunk k's slot views (see chunk_views), with the H2D copies filling them queued. ``ahead``: into
+        the prefetched slots (see prefetch), counted by the step that uses them."""
+        prep = self.prep
+        slot = self.op.prefetch_slot(k) if ahead else self.op.slot(k)
+        views = prep.views[k]
+        if views is None or views.slot is not slot:
+            views = prep.views[k] = self.chunk_views(k, slot)
+        if ahead:
+            self.op.prefetch_in(k, views.h2d)
+        else:
+            self.op.swap_in(k, views.h2d)
+            self.h2d += prep.h2d_bytes[k]
+        return views
+
+    def chunk_views(self, k: int, slot: torch.Tensor | None) -> ChunkViews:
         """Per piece of chunk k: {key: (value the optimizer sees, slot view, host view the swap-out
-        writes)}, with the H2D copies filling the slot views queued. ``ahead``: into the prefetched
-        slots (see prefetch), counted by the step that uses them."""
+        writes)}, and the copies of its swap-in: made once per plan and slot tensor."""
         prep = self.prep
         chunk = prep.plan.chunks[k]
         views = ChunkViews({} for _ in chunk.pieces)
-        slot = self.op.prefetch_slot(k) if ahead else self.op.slot(k)
+        views.slot = slot
         covered = prep.covered[k]
         # a run's bytes: one copy per direction for the regions it covers
         views.runs = [(run.host, slot[run.offset : run.offset + run.nbytes]) for run in prep.runs[k]] if slot is not None else []
@@ -309,11 +353,7 @@ class StepRun:
             views[r.piece][r.key] = (wrap_like(r.layout, v) if r.layout is not None else v, v, host)
             if host is not None and r.nbytes:
                 copies.append((v, host))
-        if ahead:
-            self.op.prefetch_in(k, copies)
-        else:
-            self.op.swap_in(k, copies)
-            self.h2d += prep.h2d_bytes[k]
+        views.h2d = copies
         return views
 
     # ----- stage 2: resident update ---------------------------------------------------------------
@@ -384,19 +424,23 @@ class StepRun:
         op, prep, progress, views = self.op, self.prep, self.progress, self.views[k]
         chunk = prep.plan.chunks[k]
         progress["stage"] = ("input", k)
-        chunk_state: defaultdict = defaultdict(dict)
         ci = self.inputs(k)
         targets = ci.targets
         with op.updating(k), torch.profiler.record_function(f"swapopt.update[{k}]"):
-            for pos, piece in enumerate(chunk.pieces):
-                t, pst = self.piece_input(piece, views[pos], targets[pos])
-                if pst is not None:
-                    chunk_state[t] = pst
+            kept = ci.take_states(views, self.opt.state) if ci.simple else None
+            if kept is not None:  # the dicts of the last step stand for the states as they are
+                chunk_state, handed = kept
+            else:
+                chunk_state = defaultdict(dict)
+                for pos, piece in enumerate(chunk.pieces):
+                    t, pst = self.piece_input(piece, views[pos], targets[pos])
+                    if pst is not None:
+                        chunk_state[t] = pst
+                handed = self.handed(chunk_state) if ci.simple else None
             groups = ci.refresh(self.opt)
             if self.snapshots is None:  # on the stream of the step's first update, before any of them
                 self.snapshots = self.snapshot_scalars()
             progress["scalars"] = self.snapshots[k]
-            handed = self.handed(chunk_state) if ci.simple else None
             progress["stage"] = ("update", k)
             run_groups(self.opt, ci.order, groups, chunk_state, self.kwargs)
             ci.unbind()  # the update is issued: the cached views let go of this step's grads
@@ -404,6 +448,7 @@ class StepRun:
             progress["chunk"] = (targets, chunk_state, views)
             if handed is not None and self.stepped_in_place(chunk_state, handed):
                 copies, hold, finals = list(views.runs), [], []
+                ci.keep_states(chunk_state, handed, views, self.opt.state)
             else:
                 copies, hold, finals = self.chunk_output(k, targets, chunk_state, views)
             # a run also moves padding: count the bytes of the states it carries

@@ -184,3 +184,53 @@ def test_threads_allocations_are_counted(sim):
     worker.start()
     worker.join()
     assert sim.memory_allocated() == 1024 and not sim.is_host(held[0])
+
+
+def test_free_storage_keeps_the_views_and_alloc_storage_gives_them_memory_again(sim):
+    # Note [persistent slots] (swapopt.operate): a slot keeps its views across steps, not its memory.
+    slot = torch.empty(4096, dtype=torch.uint8)
+    view = slot[1024:2048].view(torch.float32)
+    assert sim.memory_allocated() == 4096
+    device.free_storage(slot)
+    assert sim.memory_allocated() == 0 and sim.max_memory_allocated() == 4096
+    with pytest.raises(RuntimeError, match="free_storage gave back"):
+        view.fill_(1.0)  # use after free: an error, never a read of unowned memory
+    device.alloc_storage(slot, 4096)
+    assert sim.memory_allocated() == 4096 and not sim.is_host(view)
+    view.fill_(2.0)
+    assert torch.equal(slot[1024:1028], torch.tensor([0, 0, 0, 64], dtype=torch.uint8))
+    with pytest.raises(RuntimeError, match="free_storage it first"):
+        device.alloc_storage(slot, 4096)
+    del slot, view
+    assert sim.memory_allocated() == 0  # the storage died with its memory: freed once
+
+
+def test_free_storage_needs_record_stream_for_other_streams(sim):
+    slot = torch.empty(256)
+    side = sim.Stream()
+    side.wait_stream(sim.current_stream())
+    with sim.stream(side):
+        slot.add_(1.0)
+    with pytest.raises(simulator.StreamRaceError):
+        device.free_storage(slot)  # the allocator could hand the block out while `side` still writes it
+    assert slot.untyped_storage().nbytes() == 0  # freed all the same, as the allocator would
+    device.alloc_storage(slot, 1024)
+    side.wait_stream(sim.current_stream())
+    with sim.stream(side):
+        slot.add_(1.0)
+    device.record_stream(slot, side)
+    device.free_storage(slot)  # ordered by record_stream, as Tensor.record_stream before a free
+    assert sim.memory_allocated() == 0
+
+
+def test_alloc_storage_past_capacity_raises_and_leaves_it_freed(clean_device_env):
+    with simulator.activate(capacity_bytes=8192) as sim:
+        slot = torch.empty(4096, dtype=torch.uint8)
+        device.free_storage(slot)
+        hog = torch.empty(6144, dtype=torch.uint8)
+        with pytest.raises(torch.OutOfMemoryError):
+            device.alloc_storage(slot, 4096)
+        assert sim.memory_allocated() == 6144 and slot.untyped_storage().nbytes() == 0
+        del hog
+        device.alloc_storage(slot, 4096)
+        assert sim.memory_allocated() == 4096

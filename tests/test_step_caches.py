@@ -8,6 +8,7 @@ from __future__ import annotations
 import collections
 import copy
 import io
+import operator
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ import swapopt.layout as swap_layout
 from swapopt import SwapOptimizer
 from swapopt.bench.counts import count_call
 from swapopt.hoststate import local
+from swapopt.pipeline import StepRun
 
 N, NUMEL, K = 40, 96, 4
 KEYS = {"adamw": ("exp_avg", "exp_avg_sq"), "adagrad": ("sum",)}
@@ -316,3 +318,70 @@ def test_a_param_split_across_chunks_keeps_one_copy_per_state_and_chunk(sim, loa
         assert torch.equal(p, q)
         for key in KEYS["adamw"]:
             assert torch.equal(opt.state[p][key], ref_opt.state[q][key])
+
+
+def _layouts(n: int):
+    """n params cycling through a plain 2-D, a transposed and a channels_last layout."""
+    torch.manual_seed(1)
+    makers = (
+        lambda: torch.randn(8, 12),
+        lambda: torch.randn(12, 8).t(),
+        lambda: torch.randn(2, 3, 4, 2).to(memory_format=torch.channels_last),
+    )
+    return [torch.nn.Parameter(makers[i % 3]()) for i in range(n)]
+
+
+@pytest.mark.parametrize("n", [N, 10 * N])
+def test_steady_step_makes_no_slot_views_and_frees_its_staging(sim, n):
+    """Slot views are made once per plan (Note [persistent slots] in swapopt.operate), for states of every
+    layout: a cache-hit step dispatches as many aten ops for 40 tensors as for 400, and the staging's
+    memory is back with the allocator when it returns."""
+    params = _layouts(n)
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = SwapOptimizer(_build("adamw", params), swap_optimizer_times=K)
+    ref_opt = _build("adamw", ref)
+    slots = None
+    for step in range(4):
+        for p, q in zip(params, ref):
+            p.grad = torch.randn_like(p)
+            q.grad = p.grad.clone()
+        before = sim.memory_allocated()
+        if step == 3:
+            counts = count_call(opt.step)
+            assert counts.h2d_copies == K and counts.d2h_copies == K
+            assert counts.aten_ops <= 12 * K, counts
+        else:
+            opt.step()
+        ref_opt.step()
+        if step >= 1:  # the states exist: the step allocates nothing that outlives it
+            assert sim.memory_allocated() == before
+            assert slots is None or all(map(operator.is_, opt.operate._slot_store, slots))
+            slots = list(opt.operate._slot_store)
+    _check_parity(opt, params, ref, ref_opt)
+
+
+def test_state_dicts_are_built_once_and_rebuilt_for_a_state_replaced_by_hand(sim, monkeypatch):
+    """A chunk of whole params hands the inner step the dicts of its last step while the params' own state
+    dicts hold the very same values; a scalar state replaced by hand is seen at the next step."""
+    params = _params()
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = SwapOptimizer(_build("adamw", params), swap_optimizer_times=K)
+    ref_opt = _build("adamw", ref)
+    built = collections.Counter()
+    real = StepRun.piece_input
+    monkeypatch.setattr(StepRun, "piece_input", lambda self, piece, *a: built.update([piece.index]) or real(self, piece, *a))
+    for step in range(5):
+        _grads(params, ref, step)
+        if step == 3:
+            for p, q in zip(params[:2], ref[:2]):
+                opt.state[p]["step"] = torch.full((), 10.0)
+                ref_opt.state[q]["step"] = torch.full((), 10.0)
+        built.clear()
+        opt.step()
+        ref_opt.step()
+        if step == 2:
+            assert not built  # a steady step builds no state dict
+        if step == 3:  # the replaced param's chunk is built afresh, the others are not
+            chunk = next(c for c in opt._layout.prepared.plan.chunks if any(pc.index == 0 for pc in c.pieces))
+            assert set(built) == {pc.index for pc in chunk.pieces}
+    _check_parity(opt, params, ref, ref_opt)
