@@ -34,6 +34,7 @@ __all__ = [
     "get_device",
     "get_torch_device_module",
     "is_host_tensor",
+    "labels_ranges",
     "pinned_empty",
     "record_stream",
     "sim",
@@ -165,6 +166,13 @@ def alloc_storage(t: torch.Tensor, nbytes: int) -> None:
         simulated.alloc_storage(t, nbytes)
     else:
         _local(t).untyped_storage().resize_(nbytes)
+
+
+def labels_ranges() -> bool:
+    """Whether the device labels its work with the profiler ranges open around it (the simulator's
+    timeline does, outside ``untagged()``), so that a range must be opened even with no profiler running."""
+    simulated = sim.active()
+    return simulated is not None and simulated.range_labels
 
 
 def record_stream(t: torch.Tensor, stream: Any) -> None:

@@ -123,6 +123,7 @@ class SimDevice:
         self._actor_names = ["host"]
         self._host_alloc = 0
         self._labels: list[str] = []
+        self.range_labels = True  # timeline ops carry the profiler range open around them (off in untagged())
         self._pending: StreamRaceError | None = None
         self._mode = _SimMode(self)
         self._grad_mode = _StreamTagMode(self)
@@ -641,11 +642,14 @@ class SimDevice:
         """Leave autograd nodes made in the block untagged with their stream (see _StreamTagMode): for
         code that records no backward graph, so that the tagging mode's per-call host cost, which a device
         does not have, stays out of host-time measurements. Backward ops of nodes made inside would run on
-        the default stream."""
+        the default stream. Code that opens profiler ranges only for a profiler or this timeline
+        (device.labels_ranges) opens none in the block either: its ops go unlabelled."""
         self._grad_mode.__exit__(None, None, None)
+        labels, self.range_labels = self.range_labels, False
         try:
             yield
         finally:
+            self.range_labels = labels
             self._grad_mode.__enter__()
 
     def _label(self) -> str | None:

@@ -30,15 +30,26 @@ once per plan, not once per step. A change of slot size or device makes new slot
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 
 import device
+from swapopt import internals
 
 Copies = Sequence[tuple[torch.Tensor, torch.Tensor]]  # (dst, src)
+_NO_RANGE = nullcontext()
+
+
+def step_range(label: str) -> AbstractContextManager[Any]:
+    """A profiler range named ``label`` (``swapopt.swap_in[k]``, ...) while a profiler records or the
+    simulator labels its timeline with ranges; else a no-op that costs no host time (Note [profiler
+    ranges] in swapopt.internals)."""
+    if internals.profiler_recording() or device.labels_ranges():
+        return torch.profiler.record_function(label)
+    return _NO_RANGE
 
 
 @dataclass(eq=False)
@@ -233,7 +244,7 @@ class SwapOptimizerOperate:
     def _copy_in(self, label: str, copies: Copies) -> Any:
         """Queue host -> slot copies on the H2D stream; the event after them."""
         h2d = self.h2d_stream
-        with torch.profiler.record_function(label):
+        with step_range(label):
             with self.mod.stream(h2d):
                 for dst, src in copies:
                     dst.copy_(src, non_blocking=True)
@@ -356,7 +367,7 @@ class SwapOptimizerOperate:
         """Copy device -> host for chunk k on the D2H stream after its update. ``hold``: device tensors
         (states the optimizer created this step) kept alive until the slot is reused."""
         d2h = self.d2h_stream
-        with torch.profiler.record_function(f"swapopt.swap_out[{k}]"):
+        with step_range(f"swapopt.swap_out[{k}]"):
             d2h.wait_event(self.update_events[k])
             with self.mod.stream(d2h):
                 for dst, src in copies:

@@ -33,6 +33,7 @@ from swapopt import hoststate, internals, recovery
 from swapopt.arena import itemsize
 from swapopt.hoststate import is_swapped_state, local, new_host_like, wrap_like
 from swapopt.layout import GRAD, Prepared, Region, same_objects
+from swapopt.operate import step_range
 
 
 def _split_plan(regions: list[Region], slot_bytes: int) -> list[tuple[torch.dtype, list[int], list[tuple[int, int]]]]:
@@ -359,7 +360,7 @@ class StepRun:
     # ----- stage 2: resident update ---------------------------------------------------------------
     def update_resident(self) -> None:
         prep = self.prep
-        with self.op.updating(None), torch.profiler.record_function("swapopt.update[resident]"):
+        with self.op.updating(None), step_range("swapopt.update[resident]"):
             chunk_groups: dict[int, list[torch.Tensor]] = defaultdict(list)
             for i in prep.plan.resident:
                 chunk_groups[prep.groups[i]].append(prep.params[i])
@@ -426,7 +427,7 @@ class StepRun:
         progress["stage"] = ("input", k)
         ci = self.inputs(k)
         targets = ci.targets
-        with op.updating(k), torch.profiler.record_function(f"swapopt.update[{k}]"):
+        with op.updating(k), step_range(f"swapopt.update[{k}]"):
             kept = ci.take_states(views, self.opt.state) if ci.simple else None
             if kept is not None:  # the dicts of the last step stand for the states as they are
                 chunk_state, handed = kept

@@ -16,6 +16,7 @@ from loguru import logger
 import device
 from swapopt import internals
 from swapopt.hoststate import wrap_like
+from swapopt.operate import step_range
 
 # Note [failure semantics]
 # ~~~~~~~~~~~~~~~~~~~~~~~~
@@ -158,7 +159,7 @@ def _recover_piece(run: Any, j: int, pos: int) -> dict[str, Any] | None:
     opt, prep, op = run.opt, run.prep, run.op
     piece = prep.plan.chunks[j].pieces[pos]
     dev = device.torch_device(opt._device)
-    with op.mod.stream(op.compute_stream), torch.profiler.record_function(f"swapopt.recover[{j}]"):
+    with op.mod.stream(op.compute_stream), step_range(f"swapopt.recover[{j}]"):
         views: dict[str, tuple] = {}
         for r in prep.regions[j]:
             if r.piece == pos:

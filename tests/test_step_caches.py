@@ -385,3 +385,27 @@ def test_state_dicts_are_built_once_and_rebuilt_for_a_state_replaced_by_hand(sim
             chunk = next(c for c in opt._layout.prepared.plan.chunks if any(pc.index == 0 for pc in c.pieces))
             assert set(built) == {pc.index for pc in chunk.pieces}
     _check_parity(opt, params, ref, ref_opt)
+
+
+def test_a_step_opens_profiler_ranges_only_while_a_profiler_records(sim):
+    """Note [profiler ranges]: a range costs host time even with no profiler, so none is opened then (the
+    simulator's timeline labels, which want them, are off in untagged())."""
+    params = _params()
+    opt = SwapOptimizer(_build("adamw", params), swap_optimizer_times=K)
+    for step in range(3):
+        _grads(params, params, step)
+        opt.step()
+    own = _params()
+    resident = _build("adamw", own)
+    for step in range(2):
+        _grads(own, own, step)
+        resident.step()
+    with sim.untagged():
+        counts = count_call(opt.step)
+        plain = count_call(resident.step)
+    # no op beyond aten ops but those of torch's own Optimizer.step range, which the unwrapped step opens too
+    assert counts.dispatched - counts.aten_ops == plain.dispatched - plain.aten_ops, (counts, plain)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof, sim.untagged():
+        opt.step()
+    names = {e.name for e in prof.events()}
+    assert {f"swapopt.swap_in[{K - 1}]", "swapopt.update[0]", f"swapopt.swap_out[{K - 1}]"} <= names

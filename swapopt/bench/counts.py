@@ -33,6 +33,7 @@ class StepCounts(BaseModel):
     """What one call (typically one optimizer step) dispatched."""
 
     aten_ops: int = 0  # every aten op, views and allocations included
+    dispatched: int = 0  # every op this mode saw: aten ops and others (profiler ranges, c10d)
     launches: int = 0  # copies and compute kernels that touch device memory
     h2d_copies: int = 0
     d2h_copies: int = 0
@@ -53,7 +54,7 @@ class StepCounts(BaseModel):
     def own_host_s(self, device_work_on_host: bool) -> float:
         """The call's own host work: its CPU time less this counter's cost and, when the device's work
         runs on the host (the simulator), less the time inside launched ops."""
-        own = self.cpu_s - self.counting_cpu_s - self.aten_ops * _mode_entry_seconds()
+        own = self.cpu_s - self.counting_cpu_s - self.dispatched * _mode_entry_seconds()
         if device_work_on_host:
             own -= self.launch_cpu_s
         return max(own, 0.0)
@@ -63,7 +64,7 @@ class StepCounts(BaseModel):
         dispatch and function modes, streams, events), less this counter's cost. That is the work of the
         Python that issues the ops, the figure that carries over to a GPU or NPU, where those frames are
         C++ calls of a few microseconds (not counted here)."""
-        own = self.cpu_s - self.outside_host_s - self.aten_ops * _mode_entry_seconds()
+        own = self.cpu_s - self.outside_host_s - self.dispatched * _mode_entry_seconds()
         own -= self.outside_calls * _frame_entry_seconds()
         return max(own, 0.0)
 
@@ -110,6 +111,7 @@ class LaunchCounter(TorchDispatchMode):
             if t.__torch_dispatch__ is not _PLAIN_DISPATCH:
                 return NotImplemented  # tensor subclasses (DTensor) come back as their local ops
         host_time.enter()  # an op from C++ (no simulator frame above it) is outside Python work too
+        self.counts.dispatched += 1
         try:
             start = time.thread_time()
             out = func(*args, **kwargs)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import statistics
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -29,6 +30,7 @@ DEFAULT_TIMES = (16, 64)
 # (1 GiB of params, grads and states) keeps a layout run within a few minutes and a few GiB.
 SIM_MAX_NUMEL = 64_000_000
 DEFAULT_SLOTS = 3
+HOST_REPEATS = 5  # counted steps per row; host times are their median
 # The launch budget of a swapped step when copies move whole chunks: per chunk, the resident step's
 # launches plus an H2D, a D2H and one more; per step, a few fixed ones.
 LAUNCHES_PER_CHUNK, LAUNCHES_PER_STEP = 3, 8
@@ -120,12 +122,17 @@ def _measure(
         mod = device.get_torch_device_module()
         # No autograd graph is recorded in a step: the simulator's stream tagging (a Python function mode,
         # a cost no device has) is left off while counting, so the Python host time below is the step's.
-        with mod.untagged() if hasattr(mod, "untagged") else contextlib.nullcontext():
-            counts = count_call(strategy.step)
-        strategy.drain()
+        # Host time on a shared machine varies from step to step: the median of HOST_REPEATS counted steps.
+        runs = []
+        for _ in range(HOST_REPEATS):
+            with mod.untagged() if hasattr(mod, "untagged") else contextlib.nullcontext():
+                runs.append(count_call(strategy.step))
+            strategy.drain()
+        counts = runs[-1]
         row.aten_ops, row.launches = counts.aten_ops, counts.launches
-        row.host_ms = counts.own_host_s(device_work_on_host=device.get_device() == "sim") * 1e3
-        row.python_ms = counts.python_host_s() * 1e3
+        on_host = device.get_device() == "sim"
+        row.host_ms = statistics.median(c.own_host_s(device_work_on_host=on_host) for c in runs) * 1e3
+        row.python_ms = statistics.median(c.python_host_s() for c in runs) * 1e3
         row.h2d_copies, row.d2h_copies = counts.h2d_copies, counts.d2h_copies
         pinned_after = _pinned_now()
         if pinned_before is not None and pinned_after is not None:
@@ -242,7 +249,7 @@ def layouts_markdown(results: Sequence[LayoutResult]) -> str:
     out.append(
         "Launches are aten ops that make the device work (copies and compute kernels; views and bare "
         "allocations excluded); target = (resident launches + 3) x chunks + 8. Host CPU is the calling thread's "
-        "CPU time of one `step()` call; own host ms is that of the counted step less the counter's cost and, "
+        "CPU time of one `step()` call; own host ms is that of a counted step (the median of five) less the counter's cost and, "
         "on the simulator (whose copies and kernels run on the host), less the time inside launched ops; "
         "it still includes the simulator's own per-op accounting. Python ms is the counted step's CPU time "
         "outside every aten op (the Python that issues the ops, which carries over to a device); extra host "
