@@ -7,11 +7,13 @@ Stages of a step (chunk k uses staging slot k % S; swapopt.operate orders the st
 2. Resident update: params whose states live on the device (resident_mb) are stepped while those
    copies are in flight.
 3. For each chunk k: queue the swap-in of chunk k+S-1, then bind the pieces' inputs (the targets and
-   group copies of ChunkInputs, built once per plan; grad views of flat pieces and the states as views
-   into the slot, made per step), run the wrapped optimizer's raw step on them, and
+   group copies of ChunkInputs and the states as views into the slot, ChunkViews, built once per plan;
+   the grad views of flat pieces, bound per step; the state dicts, kept from the last step for a chunk
+   of whole params whose states are unchanged), run the wrapped optimizer's raw step on them, and
 4. swap out: queue slot -> host copies on the D2H stream after the update, and publish the scalar
    states (step counts) and newly created host states of every param whose last piece this was.
-5. Finish: staging is released stream-safely and per-param events are kept; no device-wide sync.
+5. Finish: the staging's memory is released stream-safely (the slot tensors and their views stay, Note
+   [persistent slots] in swapopt.operate) and per-param events are kept; no device-wide sync.
 
 ``prefetch`` issues stage 1 ahead of the step (after the forward, so the copies run under the loss and
 the backward): the step adopts its slots and views when it runs the very plan they were made for.
