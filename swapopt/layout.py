@@ -96,7 +96,7 @@ class Prepared:
     splits: list[Any] = field(default_factory=list)  # per chunk: how the pipeline splits the slot into views
     inputs: list[Any] = field(default_factory=list)  # per chunk: the pipeline's cached inputs (swapopt.pipeline)
     views: list[Any] = field(default_factory=list)  # per chunk: its slot views (Note [persistent slots])
-    scalars: Any = None  # the scalar states the pipeline snapshots each step, and what validates them
+    scalars: Any = None  # the non-swapped states the pipeline snapshots and checks each step (pipeline.ScalarWatch)
 
     def __post_init__(self) -> None:
         # filled lazily by the pipeline, chunk by chunk, at the plan's first step
@@ -290,7 +290,7 @@ class HostLayout:
         and groups, no host layout change this layout made (``version``), the same state dicts with the
         same lengths holding the same host states (C-level identity passes, which also catch a state the
         user replaced by hand), and the grads of flat params still laid out as when it was planned."""
-        if prep.key[3] != self.version or not (params is prep.params or same_objects(params, prep.params)):
+        if not self.unchanged_since(prep) or not (params is prep.params or same_objects(params, prep.params)):
             return False
         if groups != prep.groups:
             return False
@@ -327,6 +327,10 @@ class HostLayout:
         prep.watch_states = (dicts, keys, stored)
         prep.recheck = [i for i, (f, g) in enumerate(zip(prep.flat, prep.key[2])) if f or g]
         prep.group_ids = sorted(set(prep.groups))
+
+    def unchanged_since(self, prep: Prepared) -> bool:
+        """No host layout changed since ``prep`` was made (``version``): its plan may still hold."""
+        return prep.key[3] == self.version
 
     def prepare(self, params: list[torch.Tensor], groups: list[int]) -> Prepared:
         prep = self.prepared

@@ -252,7 +252,7 @@ class SwapOptimizer(torch.optim.Optimizer):
             return False
         layout = self._layout
         prep = layout.prepared
-        if prep is None or prep.key[3] != layout.version:  # none yet, or the next step plans anew
+        if prep is None or not layout.unchanged_since(prep):  # none yet, or the next step plans anew
             return False
         mode = device.get_device()
         if mode == "cpu" or mode != self._device or self.operate.mod is None:

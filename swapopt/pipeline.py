@@ -26,6 +26,7 @@ reached, which the failure path (swapopt.recovery, Note [failure semantics]) rea
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Any, Iterable
 
 import torch
@@ -167,31 +168,22 @@ class ChunkInputs:
         )
         self.kept: tuple | None = None  # see keep_states
 
-    def keep_states(self, chunk_state: dict, handed: tuple, views: Any, state: Any) -> None:
+    def keep_states(self, chunk_state: dict, handed: tuple, views: Any) -> None:
         """A simple chunk's update left every state dict as handed (StepRun.stepped_in_place): keep the dicts
-        for the next step, with what take_states checks they still stand for. Each holds the slot views
-        (fixed per plan, Note [persistent slots]) and the param's own scalar states."""
-        if len(chunk_state) != len(self.targets):
-            return  # a param without state: built afresh each step
-        owners = [state.get(t) for t in self.targets]
-        if any(own is None for own in owners):
-            return
-        values = [v for own in owners for v in own.values()]
-        self.kept = (chunk_state, handed, views, owners, list(map(len, owners)), values)
+        for the next step. Each holds the slot views (fixed per plan, Note [persistent slots]) and the
+        param's own scalar states."""
+        if len(chunk_state) == len(self.targets):  # a param without state: built afresh each step
+            self.kept = (chunk_state, handed, views)
 
-    def take_states(self, views: Any, state: Any) -> tuple[dict, tuple] | None:
-        """The state dicts kept by keep_states and what they were handed as, when the params' own state
-        dicts are still the very dicts, with the very values, they were made from; else None. Taken: a
-        failing update leaves nothing kept."""
+    def take_states(self, views: Any, states_held: bool) -> tuple[dict, tuple] | None:
+        """The state dicts kept by keep_states and what they were handed as, when they were made for these
+        views and ``states_held``: the params' own state dicts still hold the very values they were made
+        from (the plan's cache check covers the dicts and their swapped states, ScalarWatch the rest).
+        Taken: a failing update leaves nothing kept."""
         kept, self.kept = self.kept, None
-        if kept is None:
+        if kept is None or kept[2] is not views or not states_held:
             return None
-        chunk_state, handed, kept_views, owners, lens, values = kept
-        if kept_views is not views or not same_objects(list(map(state.get, self.targets)), owners):
-            return None
-        if list(map(len, owners)) != lens or not same_objects([v for own in owners for v in own.values()], values):
-            return None
-        return chunk_state, handed
+        return kept[0], kept[1]
 
     def valid(self, prep: Prepared) -> bool:
         """The flat views still look at their params' memory (``p.data = ...`` rebinds it)."""
@@ -220,6 +212,59 @@ class ChunkInputs:
             self.targets[pos].grad = None
 
 
+@dataclass(eq=False)
+class ScalarWatch:
+    """The non-swapped states (step counts, Python scalars) in the state dicts of a plan's whole params,
+    kept on the Prepared (``scalars``): which tensors a step snapshots, and what tells whether the dicts
+    still hold them. Worked out once per plan; a step checks it in one C-level pass."""
+
+    dicts: list[dict]  # per entry: the state dict holding it,
+    keys: list[str]  # its key
+    values: list[Any]  # and its value
+    owners: list[dict]  # the state dicts, each once
+    lens: list[int]  # and their lengths
+    bounds: list[tuple[int, int, int, int]]  # per chunk: its entries [a, b) and its owners [c, d)
+    stacks: list[list[tuple[int, torch.Tensor]]]  # per (device, dtype, shape): (chunk, tensor state)
+
+    @classmethod
+    def of(cls, prep: Prepared, state: Any) -> "ScalarWatch":
+        stacks: dict[tuple, list[tuple[int, torch.Tensor]]] = defaultdict(list)
+        watch = cls([], [], [], [], [], [], [])
+        for k, chunk in enumerate(prep.plan.chunks):
+            a, c = len(watch.values), len(watch.owners)
+            for piece in chunk.pieces:
+                p = prep.params[piece.index]
+                own = state.get(p)
+                if not own or not prep.is_whole(piece):
+                    continue
+                watch.owners.append(own)
+                for key, value in own.items():
+                    tensor = isinstance(value, torch.Tensor)
+                    if tensor and is_swapped_state(p, key, value):
+                        continue
+                    if tensor:
+                        stacks[(value.device, value.dtype, value.shape)].append((k, value))
+                    watch.dicts.append(own)
+                    watch.keys.append(key)
+                    watch.values.append(value)
+            watch.bounds.append((a, len(watch.values), c, len(watch.owners)))
+        watch.lens = list(map(len, watch.owners))
+        watch.stacks = list(stacks.values())
+        return watch
+
+    def changed(self) -> set[int]:
+        """The chunks where a state dict no longer holds the very values (or as many entries) it did;
+        empty, from one C-level pass, when none changed (an optimizer that replaced a scalar state, a new
+        state, a value set by hand)."""
+        now, lens = list(map(dict.get, self.dicts, self.keys)), list(map(len, self.owners))
+        if same_objects(now, self.values) and lens == self.lens:
+            return set()
+        return {
+            k for k, (a, b, c, d) in enumerate(self.bounds)
+            if not same_objects(now[a:b], self.values[a:b]) or lens[c:d] != self.lens[c:d]
+        }
+
+
 class StepRun:
     """One swapped step over a prepared plan (stages in the module docstring)."""
 
@@ -236,6 +281,7 @@ class StepRun:
         # chunk k needs once its inner update returned (see Note [failure semantics]).
         self.progress: dict[str, Any] = {"stage": ("done", -1)}
         self.snapshots: list[list] | None = None  # per chunk: (own scalars, their old values); see snapshot_scalars
+        self.stale: set[int] | None = None  # chunks whose non-swapped states changed since the last step (None: all)
         self.h2d = 0
         self.d2h = 0
         self.typed: dict[tuple[int, torch.dtype], torch.Tensor] = {}  # see region_view
@@ -265,7 +311,6 @@ class StepRun:
                     self.views[k + lookahead] = self.swap_in(k + lookahead)
                 self.update_and_swap_out(k)
                 self.views[k] = None
-            self.typed.clear()  # the staging goes back to the allocator with finish()
             op.finish(prep.last_chunk, prep.resident)  # stage 5
         except BaseException as exc:  # Note [failure semantics]
             self.views.clear()
@@ -430,7 +475,9 @@ class StepRun:
         ci = self.inputs(k)
         targets = ci.targets
         with op.updating(k), step_range(f"swapopt.update[{k}]"):
-            kept = ci.take_states(views, self.opt.state) if ci.simple else None
+            if self.snapshots is None:  # on the stream of the step's first update, before any of them
+                self.snapshots = self.snapshot_scalars()
+            kept = ci.take_states(views, self.stale is not None and k not in self.stale) if ci.simple else None
             if kept is not None:  # the dicts of the last step stand for the states as they are
                 chunk_state, handed = kept
             else:
@@ -441,8 +488,6 @@ class StepRun:
                         chunk_state[t] = pst
                 handed = self.handed(chunk_state) if ci.simple else None
             groups = ci.refresh(self.opt)
-            if self.snapshots is None:  # on the stream of the step's first update, before any of them
-                self.snapshots = self.snapshot_scalars()
             progress["scalars"] = self.snapshots[k]
             progress["stage"] = ("update", k)
             run_groups(self.opt, ci.order, groups, chunk_state, self.kwargs)
@@ -451,7 +496,7 @@ class StepRun:
             progress["chunk"] = (targets, chunk_state, views)
             if handed is not None and self.stepped_in_place(chunk_state, handed):
                 copies, hold, finals = list(views.runs), [], []
-                ci.keep_states(chunk_state, handed, views, self.opt.state)
+                ci.keep_states(chunk_state, handed, views)
             else:
                 copies, hold, finals = self.chunk_output(k, targets, chunk_state, views)
             # a run also moves padding: count the bytes of the states it carries
@@ -471,32 +516,15 @@ class StepRun:
         in place, so that a failing update can put them back (Note [failure semantics]). Those are the
         existing non-swapped tensor states of params stepped whole (a split param's pieces step clones).
         Taken once per step, before the first update, as one stack per device, dtype and shape: one copy
-        launch per step rather than one per chunk."""
-        prep, state = self.prep, self.opt.state
-        cached = prep.scalars
-        # Which tensors to snapshot is worked out once per plan; a step checks in one C-level pass that the
-        # state dicts still hold those very tensors under those keys (an optimizer that replaced one, or a
-        # new scalar state, makes it look again).
-        if cached is None or not same_objects(list(map(dict.get, cached[0], cached[1])), cached[2]) \
-                or list(map(len, cached[3])) != cached[4]:
-            by_kind: dict[tuple, list[tuple[int, torch.Tensor]]] = defaultdict(list)  # (device, dtype, shape) -> (chunk, own)
-            dicts, keys, values, owners = [], [], [], []
-            for k, chunk in enumerate(prep.plan.chunks):
-                for piece in chunk.pieces:
-                    p = prep.params[piece.index]
-                    own = state.get(p)
-                    if not own or not prep.is_whole(piece):
-                        continue
-                    owners.append(own)
-                    for key, value in own.items():
-                        if isinstance(value, torch.Tensor) and not is_swapped_state(p, key, value):
-                            by_kind[(value.device, value.dtype, value.shape)].append((k, value))
-                            dicts.append(own)
-                            keys.append(key)
-                            values.append(value)
-            cached = prep.scalars = (dicts, keys, values, owners, list(map(len, owners)), list(by_kind.values()))
+        launch per step rather than one per chunk. Also sets ``stale``, the chunks whose whole params'
+        non-swapped states changed since the last step (all of them: None)."""
+        prep = self.prep
+        watch = prep.scalars
+        self.stale = watch.changed() if watch is not None else None
+        if self.stale is None or self.stale:
+            watch = prep.scalars = ScalarWatch.of(prep, self.opt.state)
         per_chunk: list[tuple[list, list]] = [([], []) for _ in prep.plan.chunks]
-        for members in cached[5]:
+        for members in watch.stacks:
             rows = torch.stack([value for _, value in members]).unbind(0)
             for (k, value), row in zip(members, rows):
                 per_chunk[k][0].append(value)

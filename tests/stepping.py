@@ -28,6 +28,26 @@ def adamw(kind: str, params: Iterable[torch.Tensor]) -> torch.optim.Optimizer:
     raise ValueError(kind)
 
 
+def attached_pair(overlap_forward: bool) -> tuple[nn.ParameterList, list[nn.Parameter], SwapOptimizer, torch.optim.Optimizer]:
+    """Six (4, 5) params under a foreach AdamW swapped in 3 chunks and attached to them, and an unwrapped
+    AdamW over copies of them (the reference)."""
+    torch.manual_seed(0)
+    ps = nn.ParameterList(nn.Parameter(torch.randn(4, 5)) for _ in range(6))
+    rs = [nn.Parameter(p.detach().clone()) for p in ps]
+    opt = SwapOptimizer(
+        torch.optim.AdamW(ps, lr=1e-2, foreach=True), swap_optimizer_times=3, overlap_forward=overlap_forward
+    )
+    opt.attach(ps)
+    return ps, rs, opt, torch.optim.AdamW(rs, lr=1e-2, foreach=True)
+
+
+def same_grads(ps: Iterable[torch.Tensor], rs: Iterable[torch.Tensor]) -> None:
+    """Fresh random grads, the same for each param and its reference copy."""
+    for p, r in zip(ps, rs):
+        g = torch.randn_like(p)
+        p.grad, r.grad = g.clone(), g.clone()
+
+
 class Boom(RuntimeError):
     pass
 

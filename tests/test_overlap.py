@@ -5,7 +5,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from stepping import Boom, adamw, assert_matches_reference, fail_on_call, mlp, step_reference_as_failed
+from stepping import (
+    Boom,
+    adamw,
+    assert_matches_reference,
+    attached_pair,
+    fail_on_call,
+    mlp,
+    same_grads,
+    step_reference_as_failed,
+)
 from torch import nn
 
 from device.sim import StreamRaceError
@@ -215,16 +224,9 @@ def test_peak_extra_memory_of_the_step_stays_within_slots_plus_one_chunks(sim):
 
 
 def test_failing_step_drains_the_update_stream_and_keeps_completed_chunks(sim):
-    torch.manual_seed(0)
-    ps = nn.ParameterList(nn.Parameter(torch.randn(4, 5)) for _ in range(6))
-    rs = [nn.Parameter(p.detach().clone()) for p in ps]
-    opt = SwapOptimizer(torch.optim.AdamW(ps, lr=1e-2, foreach=True), swap_optimizer_times=3, overlap_forward=True)
-    opt.attach(ps)
-    ref = torch.optim.AdamW(rs, lr=1e-2, foreach=True)
+    ps, rs, opt, ref = attached_pair(overlap_forward=True)
     for step in range(4):
-        grads = [torch.randn(4, 5) for _ in ps]
-        for p, r, g in zip(ps, rs, grads):
-            p.grad, r.grad = g.clone(), g.clone()
+        same_grads(ps, rs)
         if step != 2:
             opt.step()
             ref.step()

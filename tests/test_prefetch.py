@@ -10,7 +10,16 @@ import warnings
 
 import pytest
 import torch
-from stepping import Boom, adamw, assert_matches_reference, fail_on_call, mlp, step_reference_as_failed
+from stepping import (
+    Boom,
+    adamw,
+    assert_matches_reference,
+    attached_pair,
+    fail_on_call,
+    mlp,
+    same_grads,
+    step_reference_as_failed,
+)
 from torch import nn
 
 from swapopt import SwapAdamW, SwapConfig, SwapOptimizer
@@ -264,18 +273,9 @@ def test_plan_changes_after_the_prefetch_drop_it_without_a_leak(sim, action):
 @pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
 @pytest.mark.parametrize("fail_chunk", [0, 1])
 def test_failing_step_after_a_prefetch_keeps_params_stepped_or_untouched(sim, overlap, fail_chunk):
-    torch.manual_seed(0)
-    ps = nn.ParameterList(nn.Parameter(torch.randn(4, 5)) for _ in range(6))
-    rs = [nn.Parameter(p.detach().clone()) for p in ps]
-    opt = SwapOptimizer(
-        torch.optim.AdamW(ps, lr=1e-2, foreach=True), swap_optimizer_times=3, overlap_forward=overlap
-    )
-    opt.attach(ps)
-    ref = torch.optim.AdamW(rs, lr=1e-2, foreach=True)
+    ps, rs, opt, ref = attached_pair(overlap_forward=overlap)
     for step in range(5):
-        grads = [torch.randn(4, 5) for _ in ps]
-        for p, r, g in zip(ps, rs, grads):
-            p.grad, r.grad = g.clone(), g.clone()
+        same_grads(ps, rs)
         prefetched = opt.prefetch()
         assert prefetched == (step >= 2)  # manual: no plan before step 1, a stale one after it
         if step != 2:
