@@ -8,6 +8,8 @@ import pytest
 import torch
 from dist_utils import launch
 
+from device import entry_points
+
 pytestmark = pytest.mark.slow
 
 
@@ -44,6 +46,9 @@ def runs(tmp_path_factory):
            f"load={d}/ckpt1,dump={d}/ckpt1_on_2.pt",
            f"loadfull={d}/full3.pt,dump={d}/full3_via_load_state_dict.pt",
            f"broadcast={d}/full3.pt,dump={d}/full3_via_broadcast.pt")
+    # The dumps hold simulated device memory: torch.load needs the simulator's location tag, which this
+    # process has only if an earlier test activated the simulator.
+    entry_points.register_serialization()
     return lambda name: torch.load(d / name)
 
 
