@@ -18,6 +18,7 @@ import torch
 from loguru import logger
 
 from device import sim
+from device.sim.tensor import SimTensor
 
 # A library stays quiet unless the application asks (the swapopt CLIs call logger.enable).
 logger.disable("device")
@@ -34,6 +35,7 @@ __all__ = [
     "get_device",
     "get_torch_device_module",
     "is_host_tensor",
+    "is_simulated",
     "labels_ranges",
     "pinned_empty",
     "record_stream",
@@ -68,8 +70,14 @@ def _requested() -> str:
     return value
 
 
+def is_simulated() -> bool:
+    """Whether the device is the simulator (SWAPOPT_DEVICE=sim or an active device.sim.activate())."""
+    return _requested() == "sim" or sim.active() is not None
+
+
 def get_device() -> str:
-    """"npu" | "cuda" | "sim" | "cpu"."""
+    """"npu" | "cuda" | "cpu", or for the simulator the device type it presents ("cuda"/"npu" when typed,
+    Note [simulated device type]; "sim" for the untyped simulator). is_simulated() tells it apart."""
     requested = _requested()
     if requested == "npu":
         if not _npu_available():
@@ -82,10 +90,11 @@ def get_device() -> str:
         if not torch.cuda.is_available():
             raise RuntimeError(f"{ENV}=cuda but torch.cuda.is_available() is false (no CUDA GPU or a CPU-only torch)")
         return "cuda"
-    if requested in ("cpu", "sim"):
-        return requested
-    if sim.active() is not None:
-        return "sim"
+    if requested == "cpu":
+        return "cpu"
+    simulated = sim.active() or (sim.process_device() if requested == "sim" else None)
+    if simulated is not None:
+        return simulated.flavour if simulated.typed else "sim"
     if _npu_available():
         return "npu"
     if torch.cuda.is_available():
@@ -95,9 +104,16 @@ def get_device() -> str:
 
 def get_torch_device_module(device: str | None = None) -> Any:
     """torch.cuda, torch.npu, the active SimDevice (the process-wide one under SWAPOPT_DEVICE=sim) or torch.cpu."""
+    if device is None or device == "sim":
+        simulated = _simulator()
+        if simulated is not None:
+            return simulated
     device = device or get_device()
     if device == "sim":
-        return sim.active() or sim.process_device()
+        return sim.process_device()
+    simulated = sim.active()
+    if simulated is not None and simulated.typed and device == simulated.flavour:
+        return simulated
     if device == "npu":
         return torch.npu
     if device == "cuda":
@@ -108,15 +124,27 @@ def get_torch_device_module(device: str | None = None) -> Any:
 
 
 def torch_device(device: str | None = None) -> torch.device:
-    """Where accelerator tensors live: cuda:N / npu:N; cpu for the simulator and plain CPU."""
+    """Where accelerator tensors live, on the current device: cuda:N / npu:N, the simulator's device
+    (sim:N / npu:N typed, cpu untyped), cpu for plain CPU."""
+    simulated = _simulator() if device in (None, "sim") else None
+    if simulated is not None:
+        return simulated.torch_device()
     device = device or get_device()
     if device in ("cuda", "npu"):
         return torch.device(device, get_torch_device_module(device).current_device())
     return torch.device("cpu")
 
 
+def _simulator() -> sim.SimDevice | None:
+    """The simulator in use: the active one, or the process-wide one under SWAPOPT_DEVICE=sim."""
+    simulated = sim.active()
+    if simulated is None and _requested() == "sim":
+        simulated = sim.process_device()
+    return simulated
+
+
 def _sim_for(device: str) -> sim.SimDevice | None:
-    return get_torch_device_module(device) if device == "sim" else None
+    return _simulator()
 
 
 def pinned_empty(size: Any, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -133,13 +161,19 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return local if isinstance(local, torch.Tensor) else t
 
 
+def _memory_of(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose storage holds t's memory: a DTensor's shard, a simulated tensor's CPU tensor."""
+    t = _local(t)
+    return t._elem if type(t) is SimTensor else t
+
+
 def is_host_tensor(t: torch.Tensor) -> bool:
     """Whether t (or a DTensor's local shard) is host memory on the current device."""
     device = get_device()
     t = _local(t)
     simulated = _sim_for(device)
     if simulated is not None:
-        return simulated.is_host(t)
+        return t.device.type == "cpu" if simulated.typed else simulated.is_host(t)
     if device == "cpu":
         return True
     return t.device.type == "cpu"
@@ -154,7 +188,7 @@ def free_storage(t: torch.Tensor) -> None:
     if simulated is not None:
         simulated.free_storage(t)
     else:
-        _local(t).untyped_storage().resize_(0)
+        _memory_of(t).untyped_storage().resize_(0)
 
 
 def alloc_storage(t: torch.Tensor, nbytes: int) -> None:
@@ -165,7 +199,7 @@ def alloc_storage(t: torch.Tensor, nbytes: int) -> None:
     if simulated is not None:
         simulated.alloc_storage(t, nbytes)
     else:
-        _local(t).untyped_storage().resize_(nbytes)
+        _memory_of(t).untyped_storage().resize_(nbytes)
 
 
 def labels_ranges() -> bool:

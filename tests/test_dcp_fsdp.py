@@ -8,7 +8,7 @@ import pytest
 import torch
 from dist_utils import launch
 
-from device import entry_points
+from device.sim import entry_points
 
 pytestmark = pytest.mark.slow
 

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from device.sanitizer import HOST, Access, AccessLog, Clocks
+from device.sim.sanitizer import HOST, Access, AccessLog, Clocks
 
 STREAMS = 3
 

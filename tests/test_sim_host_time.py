@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from device import host_time
+from device.sim import host_time
 
 
 def _spin(seconds: float) -> None:

@@ -14,9 +14,9 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import device
 from device import sim as simulator
-from device.costs import Flops, op_flops
-from device.presets import SimPreset, figure_names
-from device.timeline import Timeline
+from device.sim.costs import Flops, op_flops
+from device.sim.presets import SimPreset, figure_names
+from device.sim.timeline import Timeline
 
 H100 = simulator.PRESETS["h100"]
 N = 1 << 20  # floats per copy: 4 MiB

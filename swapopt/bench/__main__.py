@@ -113,7 +113,7 @@ def _progress(disabled: bool) -> Progress:
 
 
 def _run(args: argparse.Namespace) -> tuple[Report, list[Path]]:
-    simulated = device.get_device() == "sim"
+    simulated = device.is_simulated()
     sweep = FULL if args.full else QUICK
     if args.sizes is not None:
         sizes = args.sizes

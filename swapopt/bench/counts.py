@@ -23,8 +23,8 @@ from pydantic import BaseModel
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import device
-from device import host_time
-from device.ops import op_info, tensors
+from device.sim import host_time
+from device.sim.ops import op_info, tensors
 
 _PLAIN_DISPATCH = torch.Tensor.__torch_dispatch__
 

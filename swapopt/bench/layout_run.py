@@ -83,7 +83,7 @@ def default_max_numel() -> int:
     """The largest layout (in params) to run here, larger ones being scaled: SIM_MAX_NUMEL on the
     simulator; on a device, what fits the resident row (params, grads and two fp32 states: 16 B/param)
     in 85% of free device memory and the pinned states (8 B/param) in half the host's memory."""
-    if device.get_device() == "sim":
+    if device.is_simulated():
         return SIM_MAX_NUMEL
     free, _ = device.get_torch_device_module().mem_get_info()
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -130,7 +130,7 @@ def _measure(
             strategy.drain()
         counts = runs[-1]
         row.aten_ops, row.launches = counts.aten_ops, counts.launches
-        on_host = device.get_device() == "sim"
+        on_host = device.is_simulated()
         row.host_ms = statistics.median(c.own_host_s(device_work_on_host=on_host) for c in runs) * 1e3
         row.python_ms = statistics.median(c.python_host_s() for c in runs) * 1e3
         row.h2d_copies, row.d2h_copies = counts.h2d_copies, counts.d2h_copies

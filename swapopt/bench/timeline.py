@@ -103,7 +103,7 @@ def engine_spans(marks_us: list[float] = ()) -> tuple[list[Span], list[float]]:
     their lanes, kernels of the compute stream (forward, backward) on "compute" and kernels of any other
     stream (the optimizer's update stream under ``overlap_forward``) on "update"; and ``marks_us`` (simulator
     times, e.g. step starts) on the spans' time axis. Empty off the simulator."""
-    if device.get_device() != "sim":
+    if not device.is_simulated():
         return [], []
     mod = device.get_torch_device_module()
     compute = mod.default_stream().name

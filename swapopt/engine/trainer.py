@@ -43,11 +43,16 @@ _BACKENDS = {"cuda": "nccl", "npu": "hccl"}  # cpu and the simulator: gloo
 
 
 def init_distributed(device_type: str) -> tuple[int, int]:
-    """(rank, world size); joins the torchrun process group when launched with more than one process."""
+    """(rank, world size); joins the torchrun process group when launched with more than one process, after
+    making this rank's device (LOCAL_RANK) current. Call it before anything asks for the current device:
+    torch.cuda and torch_npu make device 0 current on the first query, so every rank would build on it."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
-        if device_type in _BACKENDS:
-            device.get_torch_device_module(device_type).set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(_BACKENDS.get(device_type, "gloo"))
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        simulated = device.is_simulated()
+        module = device.get_torch_device_module()
+        if (device_type in _BACKENDS and not simulated) or getattr(module, "typed", False):
+            module.set_device(local_rank)
+        dist.init_process_group("gloo" if simulated else _BACKENDS.get(device_type, "gloo"))
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
@@ -150,9 +155,9 @@ class TrainEngine:
         self.cfg = cfg
         tcfg = cfg.train
         self.device_type = device.get_device()
+        self.rank, self.world_size = init_distributed(self.device_type)  # first: it picks this rank's device
         self.torch_device = device.torch_device()
         self.device_module = device.get_torch_device_module()
-        self.rank, self.world_size = init_distributed(self.device_type)
 
         model = build_model(cfg.model, tcfg.seed, tcfg.gradient_checkpointing).to(self.torch_device)
         if self.world_size > 1:

@@ -28,8 +28,8 @@ from collections import deque
 from pathlib import Path
 from typing import NamedTuple
 
-from device.costs import Flops
-from device.presets import SimPreset
+from device.sim.costs import Flops
+from device.sim.presets import SimPreset
 
 LANES = ("h2d", "d2h", "compute")
 

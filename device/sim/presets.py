@@ -12,7 +12,7 @@ GiB = 1024**3
 MiB = 1024**2
 
 # Fields that are not figures of the device and so need no source.
-_NOT_FIGURES = frozenset({"name", "sources", "calibrated", "measured"})
+_NOT_FIGURES = frozenset({"name", "flavour", "sources", "calibrated", "measured"})
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,7 @@ class SimPreset:
     host_gbps: float  # host memory bandwidth for ops that run on the CPU
     capacity_bytes: int  # device memory usable by allocations
     sources: dict[str, str] = field(default_factory=dict)  # field name -> where the figure comes from
+    flavour: str = "cuda"  # the device surface it presents: "cuda" (torch.cuda) or "npu" (torch_npu)
     # Calibration on real hardware: when it was done and on what ("2026-01-31, H100 SXM5, driver 570"), and the
     # raw figures measured (same names and units as the fields above). Empty until a device run fills them in:
     # nothing here is measured yet.
@@ -104,6 +105,7 @@ PRESETS: dict[str, SimPreset] = {
     ),
     "910b": SimPreset(
         name="910b",
+        flavour="npu",
         h2d_gbps=25.0,
         d2h_gbps=25.0,
         duplex_gbps=36.0,

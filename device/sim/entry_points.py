@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from device.modes import active as _sim
+from device.sim.active import active as _sim
 
 _SAVED: dict[tuple[Any, str], Any] = {}
 _REGISTERED: list[bool] = []
@@ -79,7 +79,7 @@ def _clone(original):
     @functools.wraps(original)
     def clone(self):
         sim = _sim()
-        if sim is None or self.device.type != "cpu":
+        if sim is None or sim.typed or self.device.type != "cpu":
             return original(self)
         like = sim._lookup(self)
         new = type(self)(self.nbytes())
@@ -102,6 +102,8 @@ def _param_policy(original):
     def policy(param, value, *args, **kwargs):
         out = original(param, value, *args, **kwargs)
         sim = _sim()
+        if sim is None or sim.typed:
+            return out  # typed: torch's own cast to param.device copies, as on a device
         key = kwargs.get("key", args[2] if len(args) > 2 else None)
         if key == "step" and not _step_on_device(*args[:2]):
             return out  # a plain optimizer's `step` stays on the host, as on CUDA
@@ -123,6 +125,18 @@ def _is_cuda(target: Any) -> bool:
     return isinstance(target, torch.device) and target.type == "cuda"
 
 
+def _routes_cuda(sim: Any) -> bool:
+    """Whether "cuda" names this simulator's device: the cuda flavour of a typed simulator."""
+    return sim is not None and sim.typed and sim.flavour == "cuda"
+
+
+def _routed(sim: Any, target: Any) -> Any:
+    """A "cuda" device argument as the typed cuda flavour's own device (same index); others unchanged."""
+    if _is_cuda(target):
+        return sim.torch_device(torch.device(target).index)
+    return target
+
+
 def _to_sim(sim: Any, t: torch.Tensor) -> torch.Tensor:
     """`.cuda()`: device memory stays, host memory is copied to a device tensor."""
     return sim._device_copy(t) if sim.is_host(t) else t
@@ -132,7 +146,10 @@ def _tensor_cuda(original):
     @functools.wraps(original)
     def cuda(self, device=None, non_blocking=False, **kwargs):
         sim = _sim()
-        if sim is None:
+        if _routes_cuda(sim):
+            index = None if device is None else torch.device("cuda", device).index if isinstance(device, int) else torch.device(device).index
+            return self.to(sim.torch_device(index), non_blocking=non_blocking, **kwargs)
+        if sim is None or sim.typed:
             return original(self, device, non_blocking, **kwargs)
         return _to_sim(sim, self)
 
@@ -143,7 +160,13 @@ def _tensor_to(original):
     @functools.wraps(original)
     def to(self, *args, **kwargs):
         sim = _sim()
-        if sim is None:
+        if _routes_cuda(sim):
+            if args:
+                args = (_routed(sim, args[0]), *args[1:])
+            if "device" in kwargs:
+                kwargs = {**kwargs, "device": _routed(sim, kwargs["device"])}
+            return original(self, *args, **kwargs)
+        if sim is None or sim.typed:
             return original(self, *args, **kwargs)
         if args and _is_cuda(args[0]):
             args = args[1:]
@@ -161,7 +184,9 @@ def _module_cuda(original):
     @functools.wraps(original)
     def cuda(self, device=None):
         sim = _sim()
-        if sim is None:
+        if _routes_cuda(sim):
+            return self._apply(lambda t: t.cuda(device))
+        if sim is None or sim.typed:
             return original(self, device)
         return self._apply(lambda t: _to_sim(sim, t))
 
@@ -172,7 +197,13 @@ def _module_to(original):
     @functools.wraps(original)
     def to(self, *args, **kwargs):
         sim = _sim()
-        if sim is not None and ((args and _is_cuda(args[0])) or _is_cuda(kwargs.get("device"))):
+        if _routes_cuda(sim):
+            if args:
+                args = (_routed(sim, args[0]), *args[1:])
+            if "device" in kwargs:
+                kwargs = {**kwargs, "device": _routed(sim, kwargs["device"])}
+            return original(self, *args, **kwargs)
+        if sim is not None and not sim.typed and ((args and _is_cuda(args[0])) or _is_cuda(kwargs.get("device"))):
             args = args[1:] if args and _is_cuda(args[0]) else args
             kwargs = {k: v for k, v in kwargs.items() if k != "device"}
             if args or kwargs:
@@ -298,6 +329,33 @@ def install() -> None:
             _patch(c10d, name, _collective)
             if getattr(torch.distributed, name, None) is original:
                 _patch(torch.distributed, name, lambda _o, wrapped=getattr(c10d, name): wrapped)
+
+
+# torch.cuda's functions and classes the typed cuda flavour presents (what libraries call directly).
+_CUDA_SURFACE = (
+    "is_available", "is_initialized", "init", "device_count", "current_device", "set_device", "synchronize",
+    "Stream", "Event", "current_stream", "default_stream", "stream", "set_stream", "memory_allocated",
+    "max_memory_allocated", "memory_reserved", "max_memory_reserved", "reset_peak_memory_stats", "empty_cache",
+    "mem_get_info", "memory_stats", "get_device_name", "get_device_properties", "is_bf16_supported",
+    "manual_seed", "manual_seed_all",
+)  # fmt: skip
+_CUDA_SAVED: dict[str, Any] = {}
+
+
+def present_cuda(sim: Any) -> None:
+    """Make torch.cuda answer for `sim` (a typed cuda-flavour simulator), or give torch.cuda back (None)."""
+    cuda = torch.cuda
+    if sim is None:
+        for name, original in _CUDA_SAVED.items():
+            setattr(cuda, name, original)
+        _CUDA_SAVED.clear()
+        return
+    for name in (*_CUDA_SURFACE, "_lazy_init"):
+        if name not in _CUDA_SAVED:
+            _CUDA_SAVED[name] = getattr(cuda, name, None)
+    for name in _CUDA_SURFACE:
+        setattr(cuda, name, getattr(sim, name))
+    cuda._lazy_init = lambda: None  # a CPU-only torch raises here for device="cuda" arguments
 
 
 def uninstall() -> None:

@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from device.ops import _packets, arg_value
+from device.sim.ops import _packets, arg_value
 
 
 class Flops(NamedTuple):

@@ -9,11 +9,12 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from device.host_time import counted
+from device.sim.active import active
+from device.sim.host_time import counted
 
 if TYPE_CHECKING:
-    from device.sim import SimDevice
-    from device.streams import SimStream
+    from device.sim.device import SimDevice
+    from device.sim.streams import SimStream
 
 
 _UNLOCKED = frozenset({"c10d", "_c10d_functional", "c10d_functional", "_dtensor"})
@@ -70,11 +71,3 @@ class _StreamTagMode(TorchFunctionMode):
             if stream is not sim._default:
                 _tag_outputs(out, stream)
         return out
-
-
-_ACTIVE: list[SimDevice] = []
-
-
-def active() -> SimDevice | None:
-    """The innermost active simulator, if any."""
-    return _ACTIVE[-1] if _ACTIVE else None

@@ -40,19 +40,22 @@ import torch
 from loguru import logger
 from torch._subclasses.fake_tensor import FakeTensor
 
-from device import entry_points
-from device.costs import op_flops
-from device.dispatch import DEVICE, HOST_MEM, PAGEABLE, check_same_device, op_lane
-from device.dispatch import Arg as _Arg
-from device.dispatch import StorageInfo as _Storage
-from device.host_time import counted_methods
-from device.memory import Block, DeviceMemory
-from device.modes import _ACTIVE, _STREAM_TAG, _SimMode, _StreamTagMode, active
-from device.ops import OpInfo, arg_value, byte_range, factory_bytes, new_outputs, op_info, strided_layout, tensors
-from device.presets import PRESETS, SimPreset, get_preset
-from device.sanitizer import HOST, Access, Clock, Clocks, StreamRaceError, race_error, where
-from device.streams import SimEvent, SimStream
-from device.timeline import Timeline, TimelineOp
+from device.sim import entry_points
+from device.sim.costs import op_flops
+from device.sim.backend import backend_name, register, registered_flavour
+from device.sim.dispatch import DEVICE, HOST_MEM, HOST_OUT, PAGEABLE, PINNED_OUT, check_same_device, op_lane
+from device.sim.dispatch import Arg as _Arg
+from device.sim.dispatch import StorageInfo as _Storage
+from device.sim.host_time import counted_methods
+from device.sim.memory import Block, DeviceMemory
+from device.sim.active import _ACTIVE, active
+from device.sim.modes import _STREAM_TAG, _SimMode, _StreamTagMode
+from device.sim.ops import OpInfo, arg_value, byte_range, factory_bytes, new_outputs, op_info, strided_layout, tensors
+from device.sim.presets import PRESETS, SimPreset, get_preset
+from device.sim.sanitizer import HOST, Access, Clock, Clocks, StreamRaceError, race_error, where
+from device.sim.streams import SimEvent, SimStream
+from device.sim.tensor import SimTensor
+from device.sim.timeline import Timeline, TimelineOp
 
 __all__ = [
     "PRESETS",
@@ -102,12 +105,22 @@ class SimDevice:
         capacity_bytes: int | None = None,
         sanitize: bool = True,
         allocator: str = "exact",
+        typed: bool | None = None,
+        flavour: str | None = None,
     ) -> None:
         self.preset = get_preset(preset)
+        # Note [simulated device type]: typed, device tensors are SimTensors on a device of their own; untyped
+        # (the earlier model), they are cpu-typed and told from host memory by where they were made.
+        self.typed = typed_default() if typed is None else typed
+        self.flavour = flavour or registered_flavour() or self.preset.flavour
+        if self.typed:
+            register(self.flavour)
+        self.backend = backend_name(self.flavour) if self.typed else "cpu"
         self.capacity_bytes = int(capacity_bytes if capacity_bytes is not None else self.preset.capacity_bytes)
         if allocator not in ("exact", "caching"):
             raise ValueError(f"allocator must be 'exact' or 'caching', got {allocator!r}")
-        self._mem = DeviceMemory(self.capacity_bytes, caching=allocator == "caching")
+        self._caching = allocator == "caching"
+        self._mems: dict[int, DeviceMemory] = {}  # per device index, made on first use
         self._streams: weakref.WeakValueDictionary[int, SimStream] = weakref.WeakValueDictionary()
         self.sanitize = sanitize
         # Per-instance classes so that `isinstance(s, dev.Stream)` works and streams know their device.
@@ -151,15 +164,44 @@ class SimDevice:
         pass
 
     def device_count(self) -> int:
-        return 1
+        return device_count() if self.typed else 1
 
     def current_device(self) -> int:
-        return 0
+        """The calling thread's device: 0 until set_device, as on CUDA and torch_npu."""
+        return getattr(self._tls, "device", 0)
 
     def set_device(self, device: int | str | torch.device) -> None:
-        index = device.index if isinstance(device, torch.device) else device
-        if index not in (0, None, "cpu", "sim"):
-            raise ValueError(f"the simulator has one device (0), got {device!r}")
+        index = self._index(device)
+        if index is None:
+            return
+        if not self.typed and index != 0:
+            raise ValueError(f"the untyped simulator has one device (0), got {device!r}")
+        self._tls.device = index
+
+    def _index(self, device: Any) -> int | None:
+        """The device index `device` names (None: the current one), refusing indices past device_count()."""
+        if device is None:
+            return None
+        if isinstance(device, str):
+            device = torch.device(device) if ":" in device or device in ("cpu", "cuda", "npu", self.backend) else device
+        if isinstance(device, torch.device):
+            if device.type == "cpu":
+                raise ValueError(f"{device} is the host, not a simulated device")
+            index = device.index
+        else:
+            index = int(device)
+        if index is not None and not 0 <= index < self.device_count():
+            raise RuntimeError(
+                f"invalid device ordinal {index}: the simulator has {self.device_count()} devices "
+                f"(SWAPOPT_SIM_DEVICES)"
+            )
+        return index
+
+    def torch_device(self, index: int | None = None) -> torch.device:
+        """Where this simulator's device tensors live (the current device by default)."""
+        if not self.typed:
+            return torch.device("cpu")
+        return torch.device(self.backend, self.current_device() if index is None else index)
 
     def get_device_name(self, device: Any = None) -> str:
         return f"sim:{self.preset.name}"
@@ -168,9 +210,17 @@ class SimDevice:
         return SimpleNamespace(name=self.get_device_name(), total_memory=self.capacity_bytes)
 
     def manual_seed(self, seed: int) -> None:
-        torch.manual_seed(seed)
+        # Device kernels draw from the CPU generator here; torch.manual_seed also calls this one (typed cuda
+        # flavour), so seed the generator itself.
+        torch.default_generator.manual_seed(int(seed))
 
     manual_seed_all = manual_seed
+
+    def _is_in_bad_fork(self) -> bool:  # torch.manual_seed asks a PrivateUse1 module before seeding it
+        return False
+
+    def get_amp_supported_dtype(self) -> list[torch.dtype]:  # torch.autocast asks a PrivateUse1 module
+        return [torch.float16, torch.bfloat16]
 
     def is_bf16_supported(self, including_emulation: bool = True) -> bool:
         return True
@@ -208,40 +258,53 @@ class SimDevice:
         self._clocks.compact()  # dropped streams the host has now seen stop costing anything
         self._raise_pending()
 
-    def _memory(self) -> DeviceMemory:
+    def _mem_of(self, index: int) -> DeviceMemory:
+        mem = self._mems.get(index)
+        if mem is None:
+            mem = self._mems[index] = DeviceMemory(self.capacity_bytes, caching=self._caching)
+        return mem
+
+    @property
+    def _mem(self) -> DeviceMemory:
+        return self._mem_of(self.current_device())
+
+    def _memory(self, device: Any = None) -> DeviceMemory:
         if self._late_frees:
             with self._lock:
                 self._drain_frees()
-        self._mem.process_deferred(self._timeline.host_us)
-        return self._mem
+        index = self._index(device)
+        mem = self._mem_of(self.current_device() if index is None else index)
+        mem.process_deferred(self._timeline.host_us)
+        return mem
 
     def memory_allocated(self, device: Any = None) -> int:
-        return self._memory().allocated
+        return self._memory(device).allocated
 
     def max_memory_allocated(self, device: Any = None) -> int:
-        return self._memory().peak_allocated
+        return self._memory(device).peak_allocated
 
     def reset_peak_memory_stats(self, device: Any = None) -> None:
-        self._memory().reset_peaks()
+        self._memory(device).reset_peaks()
         self._peak_host = self._live_host
 
     reset_max_memory_allocated = reset_peak_memory_stats
 
     def memory_reserved(self, device: Any = None) -> int:
         """Bytes held in segments (allocator="caching"); equal to memory_allocated with exact accounting."""
-        return self._memory().reserved
+        return self._memory(device).reserved
 
     def max_memory_reserved(self, device: Any = None) -> int:
-        return self._memory().peak_reserved
+        return self._memory(device).peak_reserved
 
     def empty_cache(self) -> None:
-        self._memory().empty_cache()
+        for index in list(self._mems):
+            self._memory(index).empty_cache()
 
     def mem_get_info(self, device: Any = None) -> tuple[int, int]:
-        return max(self.capacity_bytes - self._memory().reserved, 0), self.capacity_bytes
+        return max(self.capacity_bytes - self._memory(device).reserved, 0), self.capacity_bytes
 
     def memory_stats(self, device: Any = None) -> dict[str, int]:
-        mem = self._memory()
+        mem = self._memory(device)
         return {
             "allocated_bytes.all.current": mem.allocated,
             "allocated_bytes.all.peak": mem.peak_allocated,
@@ -267,7 +330,9 @@ class SimDevice:
         self._timeline.export_chrome_trace(path)
 
     def is_host(self, t: torch.Tensor) -> bool:
-        """Host memory: pinned_empty allocations and pageable (untracked) tensors."""
+        """Host memory: pinned_empty allocations and pageable (untracked) tensors; typed, every cpu tensor."""
+        if self.typed:
+            return _local(t).device.type == "cpu"
         info = self._lookup(_local(t).untyped_storage())
         return info is None or info.kind != DEVICE
 
@@ -512,19 +577,22 @@ class SimDevice:
     def _lookup(self, storage: Any) -> _Storage | None:
         return self._storages.get(storage._cdata)
 
-    def _register(self, storage: Any, kind: str, actor: int = HOST, uid: int | None = None) -> _Storage:
+    def _register(
+        self, storage: Any, kind: str, actor: int = HOST, uid: int | None = None, index: int | None = None
+    ) -> _Storage:
         """Track a storage from now on; ``uid``: a storage alloc_storage gives memory again, which keeps its
-        first id and finalizer."""
+        first id and finalizer; ``index``: the device of device memory (the current one by default)."""
         key = storage._cdata
         if uid is None:
             self._uid += 1
         info = _Storage(uid or self._uid, kind, storage.nbytes(), actor)
         self._storages[key] = info
         if kind == DEVICE:
-            block = self._memory().allocate(info.nbytes)
+            info.index = self.current_device() if index is None else index
+            block = self._memory(info.index).allocate(info.nbytes)
             if block is None:
                 del self._storages[key]
-                raise self._oom(info.nbytes)
+                raise self._oom(info.nbytes, info.index)
             info.block = block
         if uid is not None:
             return info
@@ -538,7 +606,7 @@ class SimDevice:
     def _forget(self, storage: Any) -> None:
         info = self._storages.pop(storage._cdata, None)
         if info is not None and info.kind == DEVICE:
-            self._mem.free(info.block)
+            self._mem_of(info.index).free(info.block)
 
     def _on_free(self, key: int, uid: int) -> None:
         # Finalizers run on whatever thread drops the last reference, gloo's worker threads included,
@@ -573,12 +641,13 @@ class SimDevice:
         # The caching allocator reuses a block freed after record_stream only once the recorded streams'
         # queued work is done; until then it still counts as allocated. (Exact accounting: live storages.)
         ready = 0.0
-        if self._mem.caching:
+        mem = self._mem_of(info.index)
+        if mem.caching:
             ready = max((s.tail_us for a in info.recorded if (s := self._streams.get(a)) is not None), default=0.0)
         if ready > self._timeline.host_us:
-            self._mem.free_after(info.block, ready)
+            mem.free_after(info.block, ready)
         else:
-            self._mem.free(info.block)
+            mem.free(info.block)
         if self.sanitize and self._pending is None:
             self._check_free(info)
 
@@ -607,11 +676,12 @@ class SimDevice:
             )
             return
 
-    def _oom(self, need: int) -> OutOfMemoryError:
-        mem = self._mem
+    def _oom(self, need: int, index: int | None = None) -> OutOfMemoryError:
+        index = self.current_device() if index is None else index
+        mem = self._mem_of(index)
         free = max(self.capacity_bytes - mem.reserved, 0)
         return OutOfMemoryError(
-            f"Simulated {self.preset.name} out of memory. Tried to allocate {_fmt_bytes(need)}. Device 0 has a "
+            f"Simulated {self.preset.name} out of memory. Tried to allocate {_fmt_bytes(need)}. Device {index} has a "
             f"total capacity of {_fmt_bytes(self.capacity_bytes)} of which {_fmt_bytes(free)} is free. "
             f"{_fmt_bytes(mem.allocated)} is allocated by live tensors and {_fmt_bytes(mem.reserved - mem.allocated)} "
             f"is reserved but unallocated."
@@ -626,6 +696,7 @@ class SimDevice:
     def _start(self) -> None:
         _ACTIVE.append(self)
         entry_points.install()
+        entry_points.present_cuda(self if self.typed and self.flavour == "cuda" else None)
         self._mode.__enter__()
         self._grad_mode.__enter__()
         logger.debug("simulated device {} active", self.preset.name)
@@ -634,6 +705,8 @@ class SimDevice:
         self._grad_mode.__exit__(None, None, None)
         self._mode.__exit__(None, None, None)
         _ACTIVE.remove(self)
+        inner = active()
+        entry_points.present_cuda(inner if inner is not None and inner.typed and inner.flavour == "cuda" else None)
         if not _ACTIVE:
             entry_points.uninstall()
 
@@ -672,10 +745,14 @@ class SimDevice:
         if func.namespace == "profiler":
             return self._profiler_op(func, args, kwargs)
         for t in types:
+            if t is SimTensor:
+                continue
             if issubclass(t, FakeTensor):
                 return func(*args, **kwargs)
             if t.__torch_dispatch__ is not _PLAIN_DISPATCH:
                 return NotImplemented  # let the subclass (DTensor) run; its local ops come back here
+        if self.typed:
+            return self._typed_dispatch(func, args, kwargs)
         packet = func.overloadpacket
         if packet is torch.ops.aten.is_pinned:
             info = self._lookup(args[0].untyped_storage())
@@ -683,6 +760,73 @@ class SimDevice:
         if packet is torch.ops.aten._pin_memory or kwargs.get("pin_memory"):
             return self._pinned_alloc(func, args, kwargs)
         return self._run(func, args, kwargs)
+
+    # ----- typed device tensors (Note [simulated device type]) ---------------------------------
+    def _route(self, device: Any) -> int:
+        """The placement a `device=` argument names: a device index, or HOST_OUT for the host. The cuda
+        flavour takes "cuda" for its own device type, as code written for CUDA names it."""
+        d = device if isinstance(device, torch.device) else torch.device(device)
+        if d.type == "cpu":
+            return HOST_OUT
+        if d.type == self.backend or (d.type == "cuda" and self.flavour == "cuda"):
+            index = self._index(d)
+            return self.current_device() if index is None else index
+        raise RuntimeError(
+            f"device {d} is not available here: the simulated {self.flavour} device is {self.backend!r} "
+            f"(and the host is cpu)"
+        )
+
+    def _typed_dispatch(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        found: list[SimTensor] = []
+        hosts: list[torch.Tensor] = []
+        args = tuple([_unwrap(a, found, hosts) for a in args])
+        if kwargs:
+            kwargs = {k: _unwrap(v, found, hosts) for k, v in kwargs.items()}
+        packet = func.overloadpacket
+        device = kwargs.get("device")
+        if device is not None:
+            place = self._route(device)
+            kwargs["device"] = _CPU
+        elif found:
+            place = found[0].device.index
+        else:
+            place = HOST_OUT
+        if found and not (packet in _MIX_FREE or op_info(func).copy):
+            _check_same_device(func, found, hosts)
+        if packet is torch.ops.aten.is_pinned:
+            if found:
+                return False
+            info = self._lookup(args[0].untyped_storage())
+            return info is not None and info.kind == HOST_MEM
+        if packet is torch.ops.aten._pin_memory or kwargs.get("pin_memory"):
+            if found:
+                raise RuntimeError(f"cannot pin '{found[0].device.type}' memory: only dense CPU tensors can be pinned")
+            return self._pinned_alloc(func, args, kwargs)
+        if place == HOST_OUT and packet is torch.ops.aten._to_copy and found and kwargs.get("non_blocking"):
+            place = PINNED_OUT
+        out = self._run(func, args, kwargs, place)
+        if place < 0 and not found:
+            return out
+        return self._wrap(out, found, hosts, place, packet)
+
+    def _wrap(self, out: Any, found: list[SimTensor], hosts: list[torch.Tensor], place: int, packet: Any) -> Any:
+        """Outputs as the caller sees them: an input (in-place, out=) as the object passed in, a new tensor on
+        the op's device as a SimTensor, a new host tensor as itself."""
+        if isinstance(out, (list, tuple)):
+            return type(out)(self._wrap(o, found, hosts, place, packet) for o in out)
+        if not isinstance(out, torch.Tensor):
+            return out
+        for w in found:
+            if w._elem is out:
+                if packet in _META_INPLACE:
+                    _sync_metadata(w)
+                return w
+        for h in hosts:
+            if h is out:
+                return h
+        if place < 0:
+            return out
+        return SimTensor(out, torch.device(self.backend, place))
 
     def _pinned_alloc(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """pin_memory=True factories and Tensor.pin_memory() give host memory, like pinned_empty."""
@@ -702,7 +846,9 @@ class SimDevice:
         finally:
             self._host_alloc -= 1
 
-    def _run(self, func: Any, args: tuple, kwargs: dict) -> Any:
+    def _run(self, func: Any, args: tuple, kwargs: dict, place: int | None = None) -> Any:
+        """Run one op on unwrapped tensors. ``place``: where new outputs go (typed: a device index, HOST_OUT or
+        PINNED_OUT); None: the untyped rule (device memory unless made from host memory alone)."""
         op = op_info(func)
         tensor_args: list[_Arg] = []
         has_input = has_device = False
@@ -729,12 +875,15 @@ class SimDevice:
             if has_device:
                 self._refresh_sizes(tensor_args)
             return out
-        creates_device = op.new_outputs and not op.lift_copy and (
-            has_device or not has_input or kwargs.get("device") is not None
-        )
+        if place is None:
+            creates_device = op.new_outputs and not op.lift_copy and (
+                has_device or not has_input or kwargs.get("device") is not None
+            )
+        else:
+            creates_device = op.new_outputs and place >= 0
         if self._host_alloc or not (has_device or creates_device):
             return self._host_op(func, op, args, kwargs, accesses)
-        return self._stream_op(func, op, args, kwargs, tensor_args, accesses, has_device, has_input)
+        return self._stream_op(func, op, args, kwargs, tensor_args, accesses, has_device, has_input, place)
 
     def _host_op(self, func: Any, op: OpInfo, args: tuple, kwargs: dict, accesses: list[_Arg]) -> Any:
         tracked = [a for a in accesses if a.info is not None]
@@ -762,15 +911,18 @@ class SimDevice:
         accesses: list[_Arg],
         has_device: bool,
         has_input: bool,
+        place: int | None = None,
     ) -> Any:
         stream = self._op_stream()
-        if has_device and not (op.copy or op.mixed_ok) and any(a.writes for a in accesses):
+        if place is None and has_device and not (op.copy or op.mixed_ok) and any(a.writes for a in accesses):
             check_same_device(op, accesses)
+        index = place if place is not None and place >= 0 else None
         if not has_input:  # a factory: refuse before allocating
             need = factory_bytes(func, args, kwargs)
-            if not self._memory().fits(need):
-                raise self._oom(need)
-        lane, blocking, staged_src = op_lane(func, op, args, kwargs, accesses)
+            if not self._memory(index).fits(need):
+                raise self._oom(need, index)
+        new_on_device = place is None or place >= 0
+        lane, blocking, staged_src = op_lane(func, op, args, kwargs, accesses, new_on_device)
 
         host = self._host()
         self._clocks.merge_actor(stream.actor, host)  # a launch follows everything the host did before it
@@ -794,8 +946,12 @@ class SimDevice:
         try:
             for t in new:
                 storage = t.untyped_storage()
-                if self._lookup(storage) is None:
-                    created.append((t, storage, self._register(storage, DEVICE, stream.actor)))
+                if self._lookup(storage) is not None:
+                    continue
+                if new_on_device:
+                    created.append((t, storage, self._register(storage, DEVICE, stream.actor, index=index)))
+                elif place == PINNED_OUT:  # .to("cpu", non_blocking=True) copies into pinned memory, as torch does
+                    self._register(storage, HOST_MEM)
         except OutOfMemoryError:  # the op's outputs are dropped, as if the allocation had failed
             for _, storage, _ in created:
                 self._forget(storage)
@@ -832,11 +988,12 @@ class SimDevice:
                 nbytes = a.storage.nbytes()
                 if nbytes != info.nbytes:
                     # A resize takes a new block, copies and frees the old one: the peak holds both.
-                    block = self._mem.allocate(nbytes)
-                    self._mem.free(info.block)
+                    mem = self._mem_of(info.index)
+                    block = mem.allocate(nbytes)
+                    mem.free(info.block)
                     if block is None:  # resized behind the dispatcher: past capacity, report it now
                         info.block, info.nbytes = Block(0), 0
-                        raise self._oom(nbytes)
+                        raise self._oom(nbytes, info.index)
                     info.block, info.nbytes = block, nbytes
 
     def _check_resize(self, func: Any, args: tuple, kwargs: dict, tensor_args: list[_Arg]) -> None:
@@ -881,18 +1038,96 @@ class SimDevice:
             info.log.add(acc, self._clocks)
 
 
+_CPU = torch.device("cpu")
+# Ops whose tensors may sit on different devices: copies (op_info().copy) and these.
+_MIX_FREE = frozenset(
+    getattr(torch.ops.aten, n) for n in ("set_", "index", "index_put", "index_put_", "_index_put_impl_", "_unsafe_index")
+)
+# In-place ops that change a tensor's sizes or strides: the wrapper follows the CPU tensor inside.
+_META_INPLACE = frozenset(
+    getattr(torch.ops.aten, n)
+    for n in ("t_", "transpose_", "squeeze_", "unsqueeze_", "as_strided_", "resize_", "resize_as_", "set_", "swapdims_",
+              "swapaxes_")  # fmt: skip
+)
+_PYTHON_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.Python) | torch._C.DispatchKeySet(
+    torch._C.DispatchKey.PythonTLSSnapshot
+)
+
+
+def _unwrap(value: Any, found: list, hosts: list) -> Any:
+    """value with SimTensors replaced by the CPU tensors inside (collected in found; host tensors in hosts)."""
+    if type(value) is SimTensor:
+        found.append(value)
+        return value._elem
+    if isinstance(value, torch.Tensor):
+        hosts.append(value)
+        return value
+    if isinstance(value, (list, tuple)) and value and isinstance(value[0], (torch.Tensor, type(None))):
+        return type(value)(_unwrap(v, found, hosts) for v in value)
+    return value
+
+
+def _check_same_device(func: Any, found: list[SimTensor], hosts: list[torch.Tensor]) -> None:
+    """CUDA's rule: one kernel reads one device; a 0-dim host tensor passes as a scalar."""
+    first = found[0].device
+    other = next((w.device for w in found if w.device != first), None)
+    if other is None:
+        other = next((h.device for h in hosts if h.dim() > 0 and h.layout is torch.strided), None)
+    if other is not None:
+        raise RuntimeError(
+            f"Expected all tensors to be on the same device, but found at least two devices, {first} and {other}! "
+            f"(in {func})"
+        )
+
+
+def _sync_metadata(w: SimTensor) -> None:
+    """Give the wrapper the sizes, strides and offset its CPU tensor took (t_, resize_, set_...)."""
+    e = w._elem
+    if w.size() != e.size() or w.stride() != e.stride() or w.storage_offset() != e.storage_offset():
+        with torch._C._ExcludeDispatchKeyGuard(_PYTHON_KEYS):
+            torch.ops.aten.as_strided_.default(w, e.size(), e.stride(), e.storage_offset())
+
+
+def typed_default() -> bool:
+    """Whether simulators are typed unless told (SWAPOPT_SIM_TYPED, Note [simulated device type])."""
+    return os.environ.get("SWAPOPT_SIM_TYPED", "0").strip() not in ("", "0")
+
+
+def device_count() -> int:
+    """Simulated devices per process: SWAPOPT_SIM_DEVICES, default 8."""
+    value = os.environ.get("SWAPOPT_SIM_DEVICES", "8").strip() or "8"
+    try:
+        count = int(value)
+    except ValueError:
+        count = 0
+    if count < 1:
+        raise ValueError(f"SWAPOPT_SIM_DEVICES={value!r}: give a device count of at least 1")
+    return count
+
+
+def preset_from_env() -> str:
+    """SWAPOPT_SIM_PRESET: the preset of the process-wide simulator (h100 by default, 910b for the npu flavour)."""
+    name = os.environ.get("SWAPOPT_SIM_PRESET", "h100").strip() or "h100"
+    get_preset(name)  # a clear error naming the presets
+    return name
+
+
 @contextmanager
 def activate(
     preset: str | SimPreset = "h100",
     capacity_bytes: int | None = None,
     sanitize: bool = True,
     allocator: str = "exact",
+    typed: bool | None = None,
+    flavour: str | None = None,
 ) -> Iterator[SimDevice]:
-    """Run the block on a fresh simulated device; `device.get_device()` is "sim" inside.
+    """Run the block on a fresh simulated device.
 
     allocator: "exact" counts live storages byte for byte; "caching" models PyTorch's CUDA caching
-    allocator (512-byte blocks, reserved segments, empty_cache, OOM judged on reserved memory)."""
-    sim = SimDevice(preset, capacity_bytes, sanitize, allocator)
+    allocator (512-byte blocks, reserved segments, empty_cache, OOM judged on reserved memory).
+    typed: device tensors are SimTensors on a device type of their own (default: SWAPOPT_SIM_TYPED).
+    flavour: "cuda" or "npu" (default: the one this process registered, else the preset's)."""
+    sim = SimDevice(preset, capacity_bytes, sanitize, allocator, typed, flavour)
     sim._start()
     try:
         yield sim
@@ -904,7 +1139,7 @@ def activate(
 def process_device() -> SimDevice:
     """The process-wide simulator used when SWAPOPT_DEVICE=sim: activated on first use, never exited."""
     if not _PROCESS:
-        sim = SimDevice()
+        sim = SimDevice(preset_from_env())
         sim._start()
         _PROCESS.append(sim)
     return _PROCESS[0]

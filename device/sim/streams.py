@@ -8,11 +8,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from device.host_time import counted_methods
-from device.sanitizer import Clock
+from device.sim.host_time import counted_methods
+from device.sim.sanitizer import Clock
 
 if TYPE_CHECKING:
-    from device.sim import SimDevice
+    from device.sim.device import SimDevice
 
 
 @counted_methods("__init__", "wait_event", "wait_stream", "record_event", "synchronize", "query", "__enter__", "__exit__")

@@ -1,0 +1,140 @@
+"""The simulated accelerator's place in torch: a PrivateUse1 backend registered from Python.
+
+Note [simulated device type]
+A simulated device tensor must say where it lives (`t.device.type`, an index), copy on `.to()`/`.cpu()`,
+refuse to mix with host tensors, and take torch's own device-type branches (fused/foreach support
+lists, autocast, GradScaler). Two ways exist on a CPU-only torch:
+- a C++ PrivateUse1 backend with an allocator and kernels (torch_npu's way; PyTorch's
+  open_registration_extension): a compiler in CI and a second copy of every kernel;
+- a wrapper tensor subclass over CPU storage (as FakeTensor carries a device over meta storage) on a
+  PrivateUse1 backend that torch lets Python register (`torch._C._acc`: hooks and a device guard, which
+  the autograd engine needs for any non-CPU device; torch >= 2.9).
+We take the second: the real kernels run on the CPU tensors inside (`SimTensor._elem`, bitwise the same
+numbers), and the simulator's dispatch mode sees every op first. Its cost is one Python frame per op,
+which the simulator's dispatch mode already paid (bench/results/sim-overhead-*).
+
+The device type cannot be `cuda`: torch refuses to rename PrivateUse1 to an in-tree name, and a
+`cuda`-typed tensor cannot enter autograd on a CPU-only build (the engine takes its streams from CUDA's
+hooks, which only libtorch_cuda registers, before any extension could load). So the flavours are:
+- `npu` (preset 910b): the backend is named `npu`, as torch_npu names it; `torch.npu` and an importable
+  `torch_npu` module present the simulator;
+- `cuda` (preset h100): the backend is named `sim`; `torch.cuda`'s functions, `.cuda()`, `.to("cuda")` and
+  `device="cuda"` route to the simulated device (device/sim/entry_points.py), so code written for CUDA
+  runs unchanged, while `t.device.type` says `sim`.
+PrivateUse1 takes one name per process: a process simulates one flavour.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from typing import Any
+
+import torch
+
+FLAVOURS = ("cuda", "npu")
+# The PrivateUse1 name each flavour registers (see the Note above for why cuda's is not "cuda").
+BACKEND_NAMES = {"cuda": "sim", "npu": "npu"}
+
+_REGISTERED: list[str] = []  # the flavour registered in this process
+
+
+def registered_flavour() -> str | None:
+    return _REGISTERED[0] if _REGISTERED else None
+
+
+def backend_name(flavour: str | None = None) -> str:
+    """The device type simulated tensors report: "sim" (cuda flavour) or "npu"."""
+    return BACKEND_NAMES[flavour or registered_flavour() or "cuda"]
+
+
+def supported() -> bool:
+    """Whether this torch lets Python register a PrivateUse1 backend (torch._C._acc)."""
+    acc = getattr(torch._C, "_acc", None)
+    return acc is not None and hasattr(acc, "register_python_privateuseone_device_guard")
+
+
+class _Hooks(getattr(getattr(torch._C, "_acc", None), "PrivateUse1Hooks", object)):  # type: ignore[misc]
+    """What torch asks a PrivateUse1 backend at run time (the autograd engine, pin_memory, is_available)."""
+
+    def is_available(self) -> bool:
+        return True
+
+    def has_primary_context(self, dev_id: int) -> bool:
+        return True
+
+    def is_built(self) -> bool:
+        return True
+
+
+class _Guard(getattr(getattr(torch._C, "_acc", None), "DeviceGuard", object)):  # type: ignore[misc]
+    def type_(self) -> Any:
+        return torch._C._autograd.DeviceType.PrivateUse1
+
+
+class DeviceModule(types.ModuleType):
+    """`torch.npu` / `torch.sim`: the registered device module. It outlives any one simulator, so every
+    attribute is looked up on the active simulator (device.sim.active()), or fails clearly without one."""
+
+    def __getattr__(self, name: str) -> Any:
+        from device.sim.active import active
+
+        sim = active()
+        if sim is None:
+            if name in ("is_available", "is_initialized"):
+                return lambda *a, **k: False
+            if name == "device_count":
+                return lambda *a, **k: 0
+            if name == "_is_in_bad_fork":
+                return lambda: False
+            if name.startswith("__"):
+                raise AttributeError(name)
+            raise RuntimeError(f"torch.{self.__name__.split('.')[-1]}.{name}: no simulated device is active")
+        return getattr(sim, name)
+
+
+def _npu_package(module: DeviceModule) -> types.ModuleType:
+    """An importable `torch_npu` whose `npu` is torch.npu, as the real package presents it."""
+    pkg = types.ModuleType("torch_npu")
+    pkg.__path__ = []  # a package, so `import torch_npu.npu` works
+    pkg.__swapopt_simulated__ = True
+    pkg.npu = module
+    pkg.__version__ = f"{torch.__version__.split('+')[0]}.sim"
+    return pkg
+
+
+def register(flavour: str) -> None:
+    """Register the backend for `flavour` (once per process; a second flavour raises)."""
+    if flavour not in FLAVOURS:
+        raise ValueError(f"unknown simulator flavour {flavour!r}; choose one of: {', '.join(FLAVOURS)}")
+    if _REGISTERED:
+        if _REGISTERED[0] != flavour:
+            raise RuntimeError(
+                f"this process already simulates the {_REGISTERED[0]!r} flavour (device type "
+                f"{backend_name(_REGISTERED[0])!r}); torch names its PrivateUse1 backend once per process, so the "
+                f"{flavour!r} flavour needs a process of its own (SWAPOPT_SIM_PRESET selects it at start)"
+            )
+        return
+    if not supported():
+        raise RuntimeError(
+            f"the simulated device needs torch >= 2.9 (torch._C._acc registers a Python backend); this is "
+            f"torch {torch.__version__}"
+        )
+    name = BACKEND_NAMES[flavour]
+    current = torch._C._get_privateuse1_backend_name()
+    if current not in ("privateuseone", name):
+        raise RuntimeError(
+            f"torch's PrivateUse1 backend is already named {current!r} (a real torch_npu?); the simulated "
+            f"{flavour} device cannot be registered in this process"
+        )
+    module = DeviceModule(f"torch.{name}")
+    if current != name:
+        torch.utils.rename_privateuse1_backend(name)
+    torch.utils.generate_methods_for_privateuse1_backend(for_storage=True)
+    torch._register_device_module(name, module)
+    torch._C._acc.register_python_privateuseone_hook(_Hooks())
+    torch._C._acc.register_python_privateuseone_device_guard(_Guard())
+    if flavour == "npu" and "torch_npu" not in sys.modules:
+        sys.modules["torch_npu"] = _npu_package(module)
+        sys.modules["torch_npu.npu"] = module
+    _REGISTERED.append(flavour)
