@@ -72,7 +72,7 @@ def _requested() -> str:
 
 def is_simulated() -> bool:
     """Whether the device is the simulator (SWAPOPT_DEVICE=sim or an active device.sim.activate())."""
-    return _requested() == "sim" or sim.active() is not None
+    return _simulator() is not None
 
 
 def get_device() -> str:
@@ -92,7 +92,7 @@ def get_device() -> str:
         return "cuda"
     if requested == "cpu":
         return "cpu"
-    simulated = sim.active() or (sim.process_device() if requested == "sim" else None)
+    simulated = _simulator()
     if simulated is not None:
         return simulated.flavour if simulated.typed else "sim"
     if _npu_available():
@@ -136,11 +136,12 @@ def torch_device(device: str | None = None) -> torch.device:
 
 
 def _simulator() -> sim.SimDevice | None:
-    """The simulator in use: the active one, or the process-wide one under SWAPOPT_DEVICE=sim."""
-    simulated = sim.active()
-    if simulated is None and _requested() == "sim":
-        simulated = sim.process_device()
-    return simulated
+    """The simulator in use: the process-wide one under SWAPOPT_DEVICE=sim, else an active one unless
+    SWAPOPT_DEVICE names a real device (which then wins)."""
+    requested = _requested()
+    if requested == "sim":
+        return sim.active() or sim.process_device()
+    return sim.active() if requested == "auto" else None
 
 
 def _sim_for(device: str) -> sim.SimDevice | None:
@@ -153,7 +154,7 @@ def pinned_empty(size: Any, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     simulated = _sim_for(device)
     if simulated is not None:
         return simulated.pinned_empty(size, dtype)
-    return torch.empty(size, dtype=dtype, pin_memory=device in ("cuda", "npu"))
+    return torch.empty(size, dtype=dtype, device="cpu", pin_memory=device in ("cuda", "npu"))
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,7 @@ import pytest
 import torch.distributed as dist
 from loguru import logger
 
-from device import sim as simulator
+import simdevice as simulator
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ import torch
 
 import device
 import swapopt.layout as swap_layout
-from device import sim as simulator
+import simdevice as simulator
 from swapopt import SwapOptimizer
 
 N, NUMEL, K = 48, 128, 4

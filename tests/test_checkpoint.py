@@ -22,7 +22,7 @@ from dist_utils import (
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
 import device
-from device import sim as simulator
+import simdevice as simulator
 from swapopt import SwapOptimizer
 
 

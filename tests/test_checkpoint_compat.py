@@ -13,7 +13,7 @@ from dist_utils import assert_same_state, copy_model, host_states, make_model, s
 from loguru import logger
 
 import device
-from device import sim as simulator
+import simdevice as simulator
 from swapopt import SwapOptimizer, checkpoint
 
 INNERS = {

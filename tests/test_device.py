@@ -10,7 +10,7 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 import device
-from device import sim as simulator
+import simdevice as simulator
 
 
 def test_plain_machine_is_cpu(clean_device_env):

@@ -10,7 +10,7 @@ from loguru import logger
 from stepping import Boom, fail_on_call
 
 import device
-from device import sim as simulator
+import simdevice as simulator
 from swapopt import SwapOptimizer
 from swapopt.hoststate import is_swapped_state
 

@@ -16,7 +16,7 @@ from dist_utils import adopt, matches_snapshot, snapshot_params
 from loguru import logger
 
 import device
-from device import sim as simulator
+import simdevice as simulator
 from swapopt import SwapOptimizer, SwapOptimizerOperate
 from swapopt.pipeline import StepRun
 

@@ -23,7 +23,7 @@ from dist_utils import (
 from loguru import logger
 
 import device
-from device import sim as simulator
+import simdevice as simulator
 from swapopt import SwapOptimizer, offload, offloaded, onload, put_optimizer_to_device
 
 

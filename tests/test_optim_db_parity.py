@@ -35,7 +35,7 @@ if not _frozen and torch.backends.flags_frozen():
     torch.backends.flags_frozen.__globals__["__allow_nonbracketed_mutation_flag"] = True
 assert torch.backends.flags_frozen() == _frozen
 
-from device import sim as simulator  # noqa: E402
+import simdevice as simulator  # noqa: E402
 from swapopt import SwapOptimizer  # noqa: E402
 from swapopt.hoststate import is_swapped_state  # noqa: E402
 

@@ -7,7 +7,7 @@ import torch
 from loguru import logger
 
 import device
-from device import sim as simulator
+import simdevice as simulator
 from swapopt import SwapConfig, SwapOptimizer
 from swapopt.optimizer import SwapStats
 

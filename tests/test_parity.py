@@ -7,7 +7,7 @@ import warnings
 import pytest
 import torch
 
-from device import sim as simulator
+import simdevice as simulator
 from swapopt import SwapOptimizer
 
 STEPS = 5

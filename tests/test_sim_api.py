@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import device
-from device import sim as simulator
+import simdevice as simulator
 
 
 def test_module_surface(sim):

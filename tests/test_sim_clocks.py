@@ -131,7 +131,7 @@ def test_dropped_streams_leave_the_clocks(clean_device_env):
 
     import torch
 
-    from device import sim as simulator
+    import simdevice as simulator
 
     with simulator.activate() as sim:
         x = torch.ones(16)
@@ -164,7 +164,7 @@ def test_unsynchronized_dropped_stream_keeps_its_records(clean_device_env):
 
     import torch
 
-    from device import sim as simulator
+    import simdevice as simulator
 
     with simulator.activate() as sim:
         x = torch.ones(16)

@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 import torch.distributed as dist
 
-from device import sim as simulator
+import simdevice as simulator
 from device.sim import StreamRaceError
 from sim_corpus import OK, PROGRAMS, RACE
 

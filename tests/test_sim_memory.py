@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import device
-from device import sim as simulator
+import simdevice as simulator
 
 
 def test_allocation_free_and_peak_are_exact(sim):

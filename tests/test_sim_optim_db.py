@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch.testing._internal.common_optimizers import optim_db
 
-from device import sim as simulator
+import simdevice as simulator
 
 STEPS = 2
 

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import device
-from device import sim as simulator
+import simdevice as simulator
 from device.sim import StreamRaceError
 
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 import device
-from device import sim as simulator
+import simdevice as simulator
 from device.sim.costs import Flops, op_flops
 from device.sim.presets import SimPreset, figure_names
 from device.sim.timeline import Timeline

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import device
-from device import sim as simulator
+import simdevice as simulator
 from swapopt import SwapOptimizer
 from swapopt.hoststate import is_swapped_state
 

@@ -26,6 +26,8 @@ PrivateUse1 takes one name per process: a process simulates one flavour.
 
 from __future__ import annotations
 
+import functools
+import importlib.machinery
 import sys
 import types
 from typing import Any
@@ -81,22 +83,53 @@ class DeviceModule(types.ModuleType):
 
         sim = active()
         if sim is None:
-            if name in ("is_available", "is_initialized"):
+            # Between simulators the device is gone: torch's own probes (hasattr, is_available, seeding
+            # every device from torch.manual_seed) get "absent" answers, anything else AttributeError.
+            if name in ("is_available", "is_initialized", "_is_in_bad_fork"):
                 return lambda *a, **k: False
             if name == "device_count":
                 return lambda *a, **k: 0
-            if name == "_is_in_bad_fork":
-                return lambda: False
-            if name.startswith("__"):
-                raise AttributeError(name)
-            raise RuntimeError(f"torch.{self.__name__.split('.')[-1]}.{name}: no simulated device is active")
+            if name in ("manual_seed", "manual_seed_all"):
+                return lambda *a, **k: None
+            raise AttributeError(f"torch.{self.__name__.split('.')[-1]}.{name}: no simulated device is active")
         return getattr(sim, name)
+
+
+# The ops torch runs on the backend itself with Python dispatch off (torch.tensor(data, device=...)).
+_BACKEND_OPS = ("empty_strided", "empty.memory_format", "copy_", "_copy_from", "_copy_from_and_resize")
+
+
+def _backend_kernel(packet: Any, *args: Any, **kwargs: Any) -> Any:
+    """Every aten op that reaches the backend itself: torch runs a few with Python dispatch off (torch.tensor
+    (data, device=...) builds on the host and copies over that way). Hand them to the active simulator as
+    its dispatch mode would have, or run them plainly without one."""
+    from device.sim.active import active
+    from device.sim.tensor import SimTensor, plain_dispatch
+
+    op = _overload(packet, args, kwargs)
+    sim = active()
+    if sim is None or not sim.typed:
+        return plain_dispatch(op, args, kwargs)
+    with sim._lock:
+        return sim._dispatch(op, (SimTensor,), args, kwargs)
+
+
+def _overload(packet: Any, args: tuple, kwargs: dict) -> Any:
+    """The overload of `packet` these arguments call (a backend kernel is registered per overload name)."""
+    if packet is torch.ops.aten.empty:
+        return torch.ops.aten.empty.memory_format
+    return packet.default
+
+
+# The library that holds the backend's fallback kernel (kept alive: it unregisters when collected).
+_KERNELS = torch.library.Library("aten", "IMPL")
 
 
 def _npu_package(module: DeviceModule) -> types.ModuleType:
     """An importable `torch_npu` whose `npu` is torch.npu, as the real package presents it."""
     pkg = types.ModuleType("torch_npu")
     pkg.__path__ = []  # a package, so `import torch_npu.npu` works
+    pkg.__spec__ = importlib.machinery.ModuleSpec("torch_npu", None, is_package=True)  # find_spec answers
     pkg.__swapopt_simulated__ = True
     pkg.npu = module
     pkg.__version__ = f"{torch.__version__.split('+')[0]}.sim"
@@ -134,6 +167,8 @@ def register(flavour: str) -> None:
     torch._register_device_module(name, module)
     torch._C._acc.register_python_privateuseone_hook(_Hooks())
     torch._C._acc.register_python_privateuseone_device_guard(_Guard())
+    for name in _BACKEND_OPS:
+        _KERNELS.impl(name, functools.partial(_backend_kernel, getattr(torch.ops.aten, name.split(".")[0])), "PrivateUse1")
     if flavour == "npu" and "torch_npu" not in sys.modules:
         sys.modules["torch_npu"] = _npu_package(module)
         sys.modules["torch_npu.npu"] = module

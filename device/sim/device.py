@@ -54,7 +54,7 @@ from device.sim.ops import OpInfo, arg_value, byte_range, factory_bytes, new_out
 from device.sim.presets import PRESETS, SimPreset, get_preset
 from device.sim.sanitizer import HOST, Access, Clock, Clocks, StreamRaceError, race_error, where
 from device.sim.streams import SimEvent, SimStream
-from device.sim.tensor import SimTensor
+from device.sim.tensor import _CPU, _MIX_FREE, SimTensor, _check_same_device, _unwrap, wrap_outputs
 from device.sim.timeline import Timeline, TimelineOp
 
 __all__ = [
@@ -112,7 +112,7 @@ class SimDevice:
         # Note [simulated device type]: typed, device tensors are SimTensors on a device of their own; untyped
         # (the earlier model), they are cpu-typed and told from host memory by where they were made.
         self.typed = typed_default() if typed is None else typed
-        self.flavour = flavour or registered_flavour() or self.preset.flavour
+        self.flavour = flavour or registered_flavour() or process_flavour() or self.preset.flavour
         if self.typed:
             register(self.flavour)
         self.backend = backend_name(self.flavour) if self.typed else "cpu"
@@ -340,7 +340,7 @@ class SimDevice:
         """A CPU tensor registered as pinned host memory (not counted as device memory)."""
         self._host_alloc += 1
         try:
-            t = torch.empty(size, dtype=dtype)
+            t = torch.empty(size, dtype=dtype, device="cpu")
         finally:
             self._host_alloc -= 1
         storage = t.untyped_storage()
@@ -453,6 +453,7 @@ class SimDevice:
         modes = (_SimMode(self), _StreamTagMode(self))
         for mode in modes:
             mode.__enter__()
+        torch._C._set_multithreading_enabled(False)  # per thread: Note [backward on the caller's thread]
         try:
             yield
         finally:
@@ -556,7 +557,7 @@ class SimDevice:
         if info is None:
             return False
         with torch.utils._python_dispatch._disable_current_modes():
-            t = torch.empty(0, dtype=torch.uint8).set_(storage)
+            t = torch.empty(0, dtype=torch.uint8, device="cpu").set_(storage)
         self._host_read(t, "torch.save")
         return info.kind == DEVICE
 
@@ -569,7 +570,7 @@ class SimDevice:
 
     def _device_copy(self, t: torch.Tensor) -> torch.Tensor:
         """A device tensor with t's layout and data (a dispatched copy: checked and timed like any other)."""
-        out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype)
+        out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=self.torch_device())
         out.copy_(t)
         return out
 
@@ -687,6 +688,22 @@ class SimDevice:
             f"is reserved but unallocated."
         )
 
+    def _deferred(self, err: BaseException, func: Any, args: tuple, kwargs: dict) -> Any:
+        """An error of the op `func` inside backward (Note [backward on the caller's thread]): kept to be
+        raised when backward() returns, and the op run plainly so that the pass can finish."""
+        if self._pending is None:
+            self._pending = err
+        found: list[SimTensor] = []
+        hosts: list[torch.Tensor] = []
+        args = tuple([_unwrap(a, found, hosts) for a in args])
+        kwargs = {k: _unwrap(v, found, hosts) for k, v in kwargs.items()}
+        if "device" in kwargs:
+            kwargs["device"] = _CPU
+        with torch.utils._python_dispatch._disable_current_modes():
+            out = func(*args, **kwargs)
+        place = found[0].device.index if found else HOST_OUT
+        return self._wrap(out, found, hosts, place, func.overloadpacket)
+
     def _raise_pending(self) -> None:
         if self._pending is not None:
             err, self._pending = self._pending, None
@@ -699,9 +716,12 @@ class SimDevice:
         entry_points.present_cuda(self if self.typed and self.flavour == "cuda" else None)
         self._mode.__enter__()
         self._grad_mode.__enter__()
+        self._multithreading = torch._C._is_multithreading_enabled()
+        torch._C._set_multithreading_enabled(False)  # Note [backward on the caller's thread]
         logger.debug("simulated device {} active", self.preset.name)
 
     def _stop(self) -> None:
+        torch._C._set_multithreading_enabled(self._multithreading)
         self._grad_mode.__exit__(None, None, None)
         self._mode.__exit__(None, None, None)
         _ACTIVE.remove(self)
@@ -810,23 +830,7 @@ class SimDevice:
         return self._wrap(out, found, hosts, place, packet)
 
     def _wrap(self, out: Any, found: list[SimTensor], hosts: list[torch.Tensor], place: int, packet: Any) -> Any:
-        """Outputs as the caller sees them: an input (in-place, out=) as the object passed in, a new tensor on
-        the op's device as a SimTensor, a new host tensor as itself."""
-        if isinstance(out, (list, tuple)):
-            return type(out)(self._wrap(o, found, hosts, place, packet) for o in out)
-        if not isinstance(out, torch.Tensor):
-            return out
-        for w in found:
-            if w._elem is out:
-                if packet in _META_INPLACE:
-                    _sync_metadata(w)
-                return w
-        for h in hosts:
-            if h is out:
-                return h
-        if place < 0:
-            return out
-        return SimTensor(out, torch.device(self.backend, place))
+        return wrap_outputs(out, found, hosts, torch.device(self.backend, place) if place >= 0 else None, packet)
 
     def _pinned_alloc(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """pin_memory=True factories and Tensor.pin_memory() give host memory, like pinned_empty."""
@@ -1038,59 +1042,10 @@ class SimDevice:
             info.log.add(acc, self._clocks)
 
 
-_CPU = torch.device("cpu")
-# Ops whose tensors may sit on different devices: copies (op_info().copy) and these.
-_MIX_FREE = frozenset(
-    getattr(torch.ops.aten, n) for n in ("set_", "index", "index_put", "index_put_", "_index_put_impl_", "_unsafe_index")
-)
-# In-place ops that change a tensor's sizes or strides: the wrapper follows the CPU tensor inside.
-_META_INPLACE = frozenset(
-    getattr(torch.ops.aten, n)
-    for n in ("t_", "transpose_", "squeeze_", "unsqueeze_", "as_strided_", "resize_", "resize_as_", "set_", "swapdims_",
-              "swapaxes_")  # fmt: skip
-)
-_PYTHON_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.Python) | torch._C.DispatchKeySet(
-    torch._C.DispatchKey.PythonTLSSnapshot
-)
-
-
-def _unwrap(value: Any, found: list, hosts: list) -> Any:
-    """value with SimTensors replaced by the CPU tensors inside (collected in found; host tensors in hosts)."""
-    if type(value) is SimTensor:
-        found.append(value)
-        return value._elem
-    if isinstance(value, torch.Tensor):
-        hosts.append(value)
-        return value
-    if isinstance(value, (list, tuple)) and value and isinstance(value[0], (torch.Tensor, type(None))):
-        return type(value)(_unwrap(v, found, hosts) for v in value)
-    return value
-
-
-def _check_same_device(func: Any, found: list[SimTensor], hosts: list[torch.Tensor]) -> None:
-    """CUDA's rule: one kernel reads one device; a 0-dim host tensor passes as a scalar."""
-    first = found[0].device
-    other = next((w.device for w in found if w.device != first), None)
-    if other is None:
-        other = next((h.device for h in hosts if h.dim() > 0 and h.layout is torch.strided), None)
-    if other is not None:
-        raise RuntimeError(
-            f"Expected all tensors to be on the same device, but found at least two devices, {first} and {other}! "
-            f"(in {func})"
-        )
-
-
-def _sync_metadata(w: SimTensor) -> None:
-    """Give the wrapper the sizes, strides and offset its CPU tensor took (t_, resize_, set_...)."""
-    e = w._elem
-    if w.size() != e.size() or w.stride() != e.stride() or w.storage_offset() != e.storage_offset():
-        with torch._C._ExcludeDispatchKeyGuard(_PYTHON_KEYS):
-            torch.ops.aten.as_strided_.default(w, e.size(), e.stride(), e.storage_offset())
-
 
 def typed_default() -> bool:
     """Whether simulators are typed unless told (SWAPOPT_SIM_TYPED, Note [simulated device type])."""
-    return os.environ.get("SWAPOPT_SIM_TYPED", "0").strip() not in ("", "0")
+    return os.environ.get("SWAPOPT_SIM_TYPED", "1").strip() not in ("", "0")
 
 
 def device_count() -> int:
@@ -1103,6 +1058,14 @@ def device_count() -> int:
     if count < 1:
         raise ValueError(f"SWAPOPT_SIM_DEVICES={value!r}: give a device count of at least 1")
     return count
+
+
+def process_flavour() -> str | None:
+    """The flavour SWAPOPT_SIM_PRESET gives the process (None when unset): every simulator of a process
+    presents one flavour (Note [simulated device type]), whatever preset times it."""
+    if not os.environ.get("SWAPOPT_SIM_PRESET", "").strip():
+        return None
+    return get_preset(preset_from_env()).flavour
 
 
 def preset_from_env() -> str:

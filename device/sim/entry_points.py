@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from device.sim.active import active as _sim
+from device.sim.tensor import SimTensor
 
 _SAVED: dict[tuple[Any, str], Any] = {}
 _REGISTERED: list[bool] = []
@@ -55,6 +56,8 @@ def _read_wrapper(what: str):
         def wrapper(self, *args, **kwargs):
             sim = _sim()
             if sim is not None:
+                if what == "Tensor.tolist" and type(self) is SimTensor:
+                    return self.cpu().tolist()  # torch refuses subclasses; on a device: a blocking D2H copy
                 sim._host_read(self, what)
             return original(self, *args, **kwargs)
 
@@ -332,8 +335,10 @@ def install() -> None:
 
 
 # torch.cuda's functions and classes the typed cuda flavour presents (what libraries call directly).
+# torch.cuda.is_available() stays False: no tensor is cuda-typed (Note [simulated device type]), and torch's
+# own code that checks it and then compares device types (DCP's loaders, say) must not take the CUDA path.
 _CUDA_SURFACE = (
-    "is_available", "is_initialized", "init", "device_count", "current_device", "set_device", "synchronize",
+    "device_count", "current_device", "set_device", "synchronize",
     "Stream", "Event", "current_stream", "default_stream", "stream", "set_stream", "memory_allocated",
     "max_memory_allocated", "memory_reserved", "max_memory_reserved", "reset_peak_memory_stats", "empty_cache",
     "mem_get_info", "memory_stats", "get_device_name", "get_device_properties", "is_bf16_supported",

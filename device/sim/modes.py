@@ -35,7 +35,12 @@ class _SimMode(TorchDispatchMode):
             # holding the lock across them could deadlock.
             return self.sim._dispatch(func, types, args, kwargs)
         with self.sim._lock:  # threads share the simulator's clocks, logs and memory model
-            return self.sim._dispatch(func, types, args, kwargs)
+            if not self.sim.typed or torch._C._current_autograd_node() is None:
+                return self.sim._dispatch(func, types, args, kwargs)
+            try:
+                return self.sim._dispatch(func, types, args, kwargs)
+            except Exception as err:  # Note [backward on the caller's thread]
+                return self.sim._deferred(err, func, args, kwargs)
 
 
 # Key in an autograd Node's metadata: the stream its forward op ran on (absent: the default stream).
@@ -54,6 +59,19 @@ def _tag_outputs(out: Any, stream: SimStream) -> None:
                 nxt.metadata.setdefault(_STREAM_TAG, stream)
 
 
+# Note [backward on the caller's thread]
+# torch runs the backward of accelerator tensors on a worker thread per device, and there an exception
+# that leaves a dispatch mode (a race, an out-of-memory, a device mix the simulator reports) ends the
+# process in std::terminate instead of reaching backward()'s caller (torch 2.13, Python PrivateUse1
+# backends). So while a typed simulator is active, autograd runs on the calling thread
+# (torch.autograd.set_multithreading_enabled(False)): the caller's current stream and host actor are the
+# backward's, as the streams of backward ops come from their forward ops anyway. And an error inside
+# the pass is kept, the op run plainly, and the error raised when backward() returns, so it still fails
+# the call that caused it. An error of torch's own kernel inside the pass cannot be kept (there is no
+# output to go on with): it still ends the process.
+_BACKWARD = (torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad)
+
+
 class _StreamTagMode(TorchFunctionMode):
     """Remembers, on each autograd node made while a non-default stream is current, that stream: PyTorch runs
     a backward op on the stream of its forward op."""
@@ -64,6 +82,12 @@ class _StreamTagMode(TorchFunctionMode):
 
     @counted
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in _BACKWARD and active() is self.sim:
+            try:
+                out = func(*args, **(kwargs or {}))
+            finally:
+                self.sim._raise_pending()  # an error deferred inside the pass, Note [backward on the caller's thread]
+            return out
         out = func(*args, **(kwargs or {}))
         sim = self.sim
         if torch.is_grad_enabled() and active() is sim:

@@ -2,8 +2,9 @@
 
 The wrapper reports the simulated device (`sim:N` / `npu:N`) and its own sizes and strides; the CPU tensor
 inside (`_elem`) holds the data and is what the kernels run on. Views of a SimTensor wrap views of its
-`_elem`, so they share memory as device views do. Only the simulator's dispatch mode runs ops on them: a
-SimTensor used with no simulator active raises, as a CUDA tensor would after its context is gone.
+`_elem`, so they share memory as device views do. While a simulator is active its dispatch mode runs every
+op (and the backend fallback below catches the few torch runs with Python dispatch off, such as
+torch.tensor(data, device=...)); after it exits, a SimTensor still works, unchecked and untimed.
 """
 
 from __future__ import annotations
@@ -11,6 +12,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
+
+_PLACEHOLDER_BYTES = 2**56
 
 
 class SimTensor(torch.Tensor):
@@ -27,6 +31,9 @@ class SimTensor(torch.Tensor):
             layout=elem.layout,
             device=device,
             requires_grad=False,
+            # The wrapper's own storage holds no memory (that is _elem's); sized past any tensor, so that
+            # a resize_ or set_ of _elem can be mirrored on the wrapper's sizes (SimDevice._wrap).
+            storage_size=_PLACEHOLDER_BYTES,
         )
         out._elem = elem
         return out
@@ -39,10 +46,9 @@ class SimTensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        raise RuntimeError(
-            f"{func} on a simulated device tensor with no simulator active: it belongs to a simulator that "
-            f"has exited (device.sim.activate), as a CUDA tensor is unusable once its context is gone"
-        )
+        # Reached with no simulator active (one that is active sees every op first): the tensor outlives its
+        # simulator and its ops run unchecked and untimed, so results can still be read after the block.
+        return plain_dispatch(func, args, kwargs or {})
 
     # Memory is the CPU storage inside: FSDP's storage resizes, data_ptr identity and the simulator's
     # free_storage/alloc_storage act on it. (Its `.device` says cpu: a storage cannot carry our device.)
@@ -70,5 +76,86 @@ class SimTensor(torch.Tensor):
         return SimTensor(inner["_elem"], device)
 
 
-def unwrap(t: Any) -> Any:
-    return t._elem if type(t) is SimTensor else t
+_CPU = torch.device("cpu")
+# Ops whose tensors may sit on different devices: copies (op_info().copy) and these.
+_MIX_FREE = frozenset(
+    getattr(torch.ops.aten, n) for n in ("set_", "index", "index_put", "index_put_", "_index_put_impl_", "_unsafe_index")
+)
+# In-place ops that change a tensor's sizes or strides: the wrapper follows the CPU tensor inside.
+_META_INPLACE = frozenset(
+    getattr(torch.ops.aten, n)
+    for n in ("t_", "transpose_", "squeeze_", "unsqueeze_", "as_strided_", "resize_", "resize_as_", "set_", "swapdims_",
+              "swapaxes_")  # fmt: skip
+)
+_PYTHON_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.Python) | torch._C.DispatchKeySet(
+    torch._C.DispatchKey.PythonTLSSnapshot
+)
+
+
+def _unwrap(value: Any, found: list, hosts: list) -> Any:
+    """value with SimTensors replaced by the CPU tensors inside (collected in found; host tensors in hosts)."""
+    if type(value) is SimTensor:
+        found.append(value)
+        return value._elem
+    if isinstance(value, torch.Tensor):
+        hosts.append(value)
+        return value
+    if isinstance(value, (list, tuple)) and value and isinstance(value[0], (torch.Tensor, type(None))):
+        return type(value)(_unwrap(v, found, hosts) for v in value)
+    return value
+
+
+def _check_same_device(func: Any, found: list[SimTensor], hosts: list[torch.Tensor]) -> None:
+    """CUDA's rule: one kernel reads one device; a 0-dim host tensor passes as a scalar."""
+    first = found[0].device
+    other = next((w.device for w in found if w.device != first), None)
+    if other is None:
+        other = next((h.device for h in hosts if h.dim() > 0 and h.layout is torch.strided), None)
+    if other is not None:
+        raise RuntimeError(
+            f"Expected all tensors to be on the same device, but found at least two devices, {first} and {other}! "
+            f"(in {func})"
+        )
+
+
+def _sync_metadata(w: SimTensor) -> None:
+    """Give the wrapper the sizes, strides and offset its CPU tensor took (t_, resize_, set_...)."""
+    e = w._elem
+    if w.size() != e.size() or w.stride() != e.stride() or w.storage_offset() != e.storage_offset():
+        with torch._C._ExcludeDispatchKeyGuard(_PYTHON_KEYS):
+            torch.ops.aten.as_strided_.default(w, e.size(), e.stride(), e.storage_offset())
+
+
+def wrap_outputs(out: Any, found: list[SimTensor], hosts: list[torch.Tensor], device: torch.device | None, packet: Any) -> Any:
+    """Outputs as the caller sees them: an input (in-place, out=) as the object passed in, a new tensor on
+    `device` as a SimTensor, a new host tensor (device None) as itself."""
+    if isinstance(out, (list, tuple)):
+        return type(out)(wrap_outputs(o, found, hosts, device, packet) for o in out)
+    if not isinstance(out, torch.Tensor):
+        return out
+    for w in found:
+        if w._elem is out:
+            if packet in _META_INPLACE:
+                _sync_metadata(w)
+            return w
+    for h in hosts:
+        if h is out:
+            return h
+    return out if device is None else SimTensor(out, device)
+
+
+def plain_dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
+    """Run an op on SimTensors with no simulator: on the CPU tensors inside, outputs on the inputs' device."""
+    found: list[SimTensor] = []
+    hosts: list[torch.Tensor] = []
+    args = tuple([_unwrap(a, found, hosts) for a in args])
+    kwargs = {k: _unwrap(v, found, hosts) for k, v in kwargs.items()}
+    device = found[0].device if found else None
+    target = kwargs.get("device")
+    if target is not None:
+        target = torch.device(target)
+        device = None if target.type == "cpu" else torch.device(target.type, target.index or 0)
+        kwargs["device"] = _CPU
+    with torch._C._ExcludeDispatchKeyGuard(_PYTHON_KEYS):
+        out = func(*args, **kwargs)
+    return wrap_outputs(out, found, hosts, device, func.overloadpacket)

@@ -1,0 +1,32 @@
+"""device.sim as the tests use it: activate() also makes the simulated device torch's default device, so
+tests read as written for a machine whose default device is the accelerator (factories without a device
+make device tensors; host memory is asked for by name: device="cpu", pin_memory, device.pinned_empty)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from device.sim import *  # noqa: F403
+from device.sim import _PROCESS  # noqa: F401
+from device.sim import activate as _activate
+
+
+@contextmanager
+def on_device(device: Any) -> Iterator[Any]:
+    """torch's default device is `device`'s for the block."""
+    previous = torch.get_default_device()
+    torch.set_default_device(device.torch_device())
+    try:
+        yield device
+    finally:
+        torch.set_default_device(previous)
+
+
+@contextmanager
+def activate(*args: Any, **kwargs: Any) -> Iterator[Any]:
+    with _activate(*args, **kwargs) as device, on_device(device):
+        yield device
