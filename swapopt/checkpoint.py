@@ -319,8 +319,9 @@ def _small_tensor(p: torch.Tensor, key: Any, value: torch.Tensor, step_on_device
         if step_on_device:
             return value.to(dtype=torch.float32, device=target.device)
         if value.dim() == 0:
-            # A fresh CPU scalar, as the optimizers create it, not an alias of the caller's tensor.
-            return torch.tensor(value.item(), dtype=value.dtype)
+            # A fresh CPU scalar, as the optimizers create it (device="cpu": not torch's default device),
+            # not an alias of the caller's tensor.
+            return torch.tensor(value.item(), dtype=value.dtype, device="cpu")
         return value.clone()
     dtype = target.dtype if target.is_floating_point() else value.dtype
     return value.to(dtype=dtype, device=target.device)

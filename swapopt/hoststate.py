@@ -47,14 +47,9 @@ def wrap_like(ref: torch.Tensor, host_local: torch.Tensor) -> torch.Tensor:
     (``ref`` is the param, or a state with its own layout); plain tensors are returned unchanged."""
     if not is_dtensor(ref):
         return host_local
-    return DTensor.from_local(
-        host_local,
-        ref.device_mesh,
-        ref.placements,
-        run_check=False,
-        shape=ref.shape,
-        stride=ref.stride(),
-    )
+    # Not DTensor.from_local: it moves a local tensor of another device type onto the mesh's device (a host
+    # shard under a cuda mesh would be copied back to the device).
+    return internals.dtensor_over(host_local, ref)
 
 
 def is_dense(t: torch.Tensor) -> bool:

@@ -115,6 +115,18 @@ def dtensor_local(t: Any) -> torch.Tensor:
     return t._local_tensor
 
 
+def dtensor_over(local: torch.Tensor, ref: Any) -> Any:
+    """A DTensor over ``local`` as it is, wherever it lives, with ``ref``'s mesh, placements, global shape and
+    stride. DTensor.from_local would copy a host shard onto the mesh's device type; FSDP2's CPU offload
+    builds its host-sharded params the same way (DTensor over a DTensorSpec)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    spec = DTensorSpec(ref.device_mesh, tuple(ref.placements),
+                       tensor_meta=TensorMeta(ref.shape, ref.stride(), local.dtype))
+    return DTensor(local, spec, requires_grad=local.requires_grad)
+
+
 # torch._foreach_* are the documented-by-use multi-tensor kernels torch.optim itself relies on: one
 # launch per device and dtype instead of one per tensor, which keeps the failure path's snapshot of a
 # chunk's scalar states (step counts) to one copy.

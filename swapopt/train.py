@@ -307,19 +307,31 @@ def main(argv: list[str] | None = None) -> int:
     handler = _setup_logging()
     args = parse_args(argv)
     raw_args = list(sys.argv[1:] if argv is None else argv)
+    rc: int | None = None
     try:
         rc = _main(args, raw_args)
         if rc == 0 and dist.is_available() and dist.is_initialized():
             dist.barrier()  # no rank tears the group down while a peer still talks to it
         return rc
     finally:
-        if dist.is_available() and dist.is_initialized():
-            # A process group left to the interpreter's shutdown can abort the process
-            # ("terminate called without an active exception").
+        torn_down = dist.is_available() and dist.is_initialized()
+        if torn_down:
             dist.destroy_process_group()
         logger.remove(handler)
         logger.disable("swapopt")
         logger.disable("device")
+        if torn_down and argv is None and rc is not None:
+            # The process's entry point (python -m swapopt.train, swapopt-train) as a torchrun rank ends
+            # here with os._exit. A normal interpreter exit can abort the rank ("terminate called without
+            # an active exception"). A gloo worker drops its last references to a finished collective's
+            # tensors after the caller's wait() has returned, and it needs the GIL to do so. A thread that
+            # takes the GIL after Py_FinalizeEx has begun is stopped with pthread_exit. The forced unwind
+            # crosses a noexcept frame, which calls std::terminate. destroy_process_group does not join
+            # gloo's workers: ProcessGroupGloo has no shutdown(), and DTensor's caches keep the group alive.
+            # An exception still leaves normally, with its traceback.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(rc)
 
 
 def resume_command(raw_args: list[str], checkpoint: Path) -> str:

@@ -60,3 +60,9 @@ def _process_simulator_races() -> Iterator[None]:
     yield
     if simulator._PROCESS:
         simulator._PROCESS[0]._raise_pending()
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    """Which flavour this session simulates (SWAPOPT_SIM_PRESET; one per process)."""
+    flavour = simulator.registered_flavour() or simulator.process_flavour() or "cuda"
+    return f"simulated device: {flavour} flavour (device type {simulator.backend_name(flavour)})"

@@ -1,13 +1,14 @@
 """One rank of the FSDP2 + DCP checkpoint tests (launched by tests/test_dcp_fsdp.py, torchrun-style env).
 
-Trains a tiny model whose dims do not divide by the world size, sharded with ``fully_shard`` on a CPU
-mesh (gloo), with SwapOptimizer(AdamW) (or plain AdamW: ``plain=1``). Optionally loads a DCP checkpoint
+Trains a tiny model whose dims do not divide by the world size, sharded with ``fully_shard`` on a mesh of
+the (simulated) device (gloo), with SwapOptimizer(AdamW) (or plain AdamW: ``plain=1``). Optionally loads a DCP checkpoint
 first, saves one after training, and dumps the full params and optimizer states (gathered) to a file.
 Usage: dist_fsdp_ckpt.py JOB [JOB ...], a JOB being e.g. ``load=DIR,start=3,steps=3,dump=FILE``.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -23,13 +24,14 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 import device
-from dist_utils import live_device_bytes, sharded_mlp
+from dist_utils import end_rank, live_device_bytes, sharded_mlp
 from swapopt import SwapOptimizer
 
 
 def build(world_size: int, plain: bool):
     # 7, 5 and 3 rows: uneven shards on 2 ranks (4+3, 3+2, 2+1).
-    model = sharded_mlp((6, 7, 5, 3), world_size)
+    with device.torch_device():  # built on the device, as FSDP2 keeps it (mesh of the device's type)
+        model = sharded_mlp((6, 7, 5, 3), world_size, mesh_device=device.torch_device().type)
     inner = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=True)
     opt = inner if plain else SwapOptimizer(inner, swap_optimizer_times=3)
     return model, opt
@@ -38,7 +40,7 @@ def build(world_size: int, plain: bool):
 def train(model, opt, start: int, steps: int, rank: int) -> None:
     for step in range(start, start + steps):
         g = torch.Generator().manual_seed(1000 * step + rank)
-        x = torch.randn(4, 6, generator=g)
+        x = torch.randn(4, 6, generator=g).to(device.torch_device())
         loss = model(x).pow(2).mean()
         loss.backward()
         opt.step()
@@ -51,7 +53,7 @@ def state(model, opt) -> dict:
 
 def check_swapped(opt: SwapOptimizer, steps: int) -> None:
     """The states really live on the host as DTensors over host shards, and steps really streamed them."""
-    assert device.get_device() == "sim"
+    assert device.is_simulated()
     opt.wait_for_swap_out()
     for p, st in opt.state.items():
         for key, value in st.items():
@@ -69,7 +71,7 @@ def load_optimizer(model, opt, osd: dict, options: StateDictOptions | None = Non
     after = live_device_bytes(mod)  # temporaries DCP left in reference cycles are garbage, not held memory
     assert after == before, (before, after)
     # ... not even for a moment, except for DCP's own broadcast buffers: full_state_dict loads broadcast one
-    # full tensor at a time on the process group's device (the CPU here, which the simulator counts).
+    # full tensor at a time on the device.
     if not (options and options.full_state_dict):
         assert mod.max_memory_allocated() == before, (before, mod.max_memory_allocated())
 
@@ -117,13 +119,13 @@ def run(spec: str, rank: int, world_size: int) -> None:
 
 
 def main() -> None:
+    # Activates the process-wide simulator under SWAPOPT_DEVICE=sim; each rank on its own device, as on CUDA.
+    device.get_torch_device_module().set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("gloo")
-    device.get_torch_device_module()  # activates the process-wide simulator under SWAPOPT_DEVICE=sim
     # Several jobs per launch: starting processes (importing torch) costs more than the jobs themselves.
     for spec in sys.argv[1:]:
         run(spec, dist.get_rank(), dist.get_world_size())
-    dist.barrier()
-    dist.destroy_process_group()
+    end_rank()  # barrier, destroy, os._exit: a normal exit can abort the rank (see end_rank)
 
 
 if __name__ == "__main__":

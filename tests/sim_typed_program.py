@@ -86,9 +86,22 @@ def main() -> dict:
     t = torch.zeros(1024, device=device.torch_device())
     seen["set_device_1"] = {"tensor": str(t.device), "bytes_on_1": module.memory_allocated(1)}
     module.set_device(0)
+    seen["streams"] = side_stream_work(flavour, w)
     seen["saved_loaded"] = save_load(w)
     seen["engine_device"] = engine_device()
     return seen
+
+
+def side_stream_work(flavour: str, w: torch.Tensor) -> bool:
+    """A library's own side stream through torch.cuda / torch.npu, ordered as on the device."""
+    mod = torch.cuda if flavour == "cuda" else torch.npu
+    side = mod.Stream()
+    side.wait_stream(mod.current_stream())
+    with mod.stream(side):
+        doubled = w * 2
+    mod.current_stream().wait_stream(side)
+    mod.synchronize()
+    return torch.equal(doubled.cpu(), w.cpu() * 2)
 
 
 def save_load(w: torch.Tensor) -> bool:

@@ -1,4 +1,4 @@
-"""FSDP2 (fully_shard on a CPU mesh, gloo) + DCP with SwapOptimizer(AdamW), each run in fresh processes on
+"""FSDP2 (fully_shard on a mesh of the simulated device, gloo) + DCP with SwapOptimizer(AdamW), each run in fresh processes on
 the simulator: resume is bitwise equal to an uninterrupted run, and checkpoints reshard between 2 and 1 ranks.
 The model's dims (7, 5, 3 rows) do not divide by 2, so shards are uneven."""
 
@@ -7,8 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 from dist_utils import launch
-
-from device.sim import entry_points
 
 pytestmark = pytest.mark.slow
 
@@ -46,9 +44,7 @@ def runs(tmp_path_factory):
            f"load={d}/ckpt1,dump={d}/ckpt1_on_2.pt",
            f"loadfull={d}/full3.pt,dump={d}/full3_via_load_state_dict.pt",
            f"broadcast={d}/full3.pt,dump={d}/full3_via_broadcast.pt")
-    # The dumps hold simulated device memory: torch.load needs the simulator's location tag, which this
-    # process has only if an earlier test activated the simulator.
-    entry_points.register_serialization()
+    # The dumps are full state dicts offloaded to the host (cpu_offload): they load without a simulator.
     return lambda name: torch.load(d / name)
 
 

@@ -87,10 +87,11 @@ def test_cuda_detected(clean_device_env):
 
 
 def test_active_simulator_is_the_device(sim):
-    assert device.get_device() == "sim"
+    # The simulator presents the device type of its flavour (cuda unless SWAPOPT_SIM_PRESET picks npu)
+    assert device.is_simulated() and device.get_device() == sim.flavour in ("cuda", "npu")
     assert device.get_torch_device_module() is sim
     assert simulator.active() is sim
-    assert device.torch_device() == torch.device("cpu")
+    assert device.torch_device() == torch.device(simulator.backend_name(sim.flavour), 0)
     pinned = device.pinned_empty(4)
     on_device = torch.empty(4, device=device.torch_device())
     assert device.is_host_tensor(pinned) and not device.is_host_tensor(on_device)
@@ -114,7 +115,7 @@ def test_env_sim_uses_one_process_wide_simulator(clean_device_env):
         first = device.get_torch_device_module()
         assert isinstance(first, simulator.SimDevice)
         assert device.get_torch_device_module() is first
-        assert device.get_device() == "sim"
+        assert device.is_simulated() and device.get_device() == first.flavour in ("cuda", "npu")
     finally:
         # The process-wide simulator is never exited in real use; undo it here so other tests run unmocked.
         if simulator._PROCESS and len(_get_current_dispatch_mode_stack()) > stack_before:
@@ -140,7 +141,7 @@ def test_dtensor_local_tensor_is_inspected(sim):
         pass
 
     host = device.pinned_empty(4)
-    wrapper = torch.empty(4).as_subclass(FakeDTensor)
+    wrapper = torch.empty(4, device="cpu").as_subclass(FakeDTensor)  # the wrapper itself holds no data
     wrapper._local_tensor = host
     assert device.is_host_tensor(wrapper)
     wrapper._local_tensor = torch.empty(4)
@@ -161,7 +162,7 @@ def test_record_stream_dispatch(sim, clean_device_env):
 
     clean_device_env.setenv("SWAPOPT_DEVICE", "cuda")
     clean_device_env.setattr(torch.cuda, "is_available", lambda: True)
-    device.record_stream(torch.empty(1).as_subclass(Recording), "s")
+    device.record_stream(torch.empty(1, device="cpu").as_subclass(Recording), "s")
     assert calls == ["s"]
 
 

@@ -15,6 +15,7 @@ pytest.importorskip("accelerate")
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 from dist_utils import assert_host_states  # noqa: E402
 
+import device  # noqa: E402
 from swapopt import SwapAdamW, SwapOptimizer  # noqa: E402
 
 OPTIM_KW = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
@@ -55,14 +56,36 @@ def tiny_llama() -> LlamaForCausalLM:
 def trainer(out, optimizer_cls, callbacks=()) -> Trainer:
     args = TrainingArguments(
         output_dir=str(out), max_steps=4, save_steps=2, per_device_train_batch_size=4, seed=0,
-        report_to=[], logging_strategy="no", use_cpu=True, dataloader_num_workers=0, disable_tqdm=True,
+        report_to=[], logging_strategy="no", dataloader_num_workers=0, disable_tqdm=True,
     )
+    assert args.device == device.torch_device() and args.n_gpu == 1  # the simulated accelerator, one of it
     return Trainer(model=tiny_llama(), args=args, train_dataset=Tokens(), callbacks=list(callbacks),
                    optimizer_cls_and_kwargs=(optimizer_cls, dict(OPTIM_KW, **(
                        {"swap_optimizer_times": 3} if optimizer_cls is SwapAdamW else {}))))
 
 
-def test_trainer_with_swap_adamw_saves_resumes_and_matches_adamw(sim, tmp_path):
+@pytest.fixture
+def hf_on_sim(sim, monkeypatch):
+    """The Trainer on the simulated accelerator: accelerate and transformers take a custom torch device from
+    ACCELERATE_TORCH_DEVICE (they look for CUDA through torch.cuda.is_available(), False for the simulator).
+    torch's default device is the host's, as in a training script (the Trainer places model and batches); a
+    default device of the simulator's type would also make accelerate's sampler ask for a device Generator, which
+    a Python-registered backend cannot provide (torch's PrivateUse1 hooks need getNewGenerator, from C++)."""
+    from accelerate.state import AcceleratorState
+
+    monkeypatch.setenv("ACCELERATE_TORCH_DEVICE", str(device.torch_device()))
+    monkeypatch.setenv("SWAPOPT_SIM_DEVICES", "1")  # one device visible (CUDA_VISIBLE_DEVICES=0): no DataParallel
+    AcceleratorState._reset_state(reset_partial_state=True)
+    previous = torch.get_default_device()
+    torch.set_default_device("cpu")
+    try:
+        yield sim
+    finally:
+        torch.set_default_device(previous)
+        AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def test_trainer_with_swap_adamw_saves_resumes_and_matches_adamw(hf_on_sim, tmp_path):
     plain = trainer(tmp_path / "plain", torch.optim.AdamW)
     plain.train()
 
@@ -88,4 +111,4 @@ def test_trainer_with_swap_adamw_saves_resumes_and_matches_adamw(sim, tmp_path):
     assert swap_state.keys() == plain_state.keys()
     for i in plain_state:
         for key, value in plain_state[i].items():
-            assert torch.equal(swap_state[i][key], value), (i, key)
+            assert torch.equal(swap_state[i][key].cpu(), value.cpu()), (i, key)  # host vs device states

@@ -11,6 +11,7 @@ pytest.importorskip("lightning")
 
 import lightning as L  # noqa: E402
 import lightning.pytorch.strategies.strategy as strategy_module  # noqa: E402
+from lightning.pytorch.accelerators import Accelerator  # noqa: E402
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 from lightning.pytorch.strategies import SingleDeviceStrategy  # noqa: E402
 from dist_utils import assert_host_states  # noqa: E402
@@ -67,7 +68,7 @@ class HostStates(Callback):
 
 def fit(root, module, strategy, epochs: int, ckpt_path=None, callbacks=()):
     trainer = L.Trainer(
-        default_root_dir=str(root), max_epochs=epochs, accelerator="cpu", strategy=strategy, logger=False,
+        default_root_dir=str(root), max_epochs=epochs, accelerator=SimAccelerator(), strategy=strategy, logger=False,
         enable_progress_bar=False, enable_model_summary=False, deterministic=True,
         callbacks=[ModelCheckpoint(dirpath=str(root), save_top_k=-1, every_n_epochs=1), *callbacks],
     )
@@ -75,28 +76,78 @@ def fit(root, module, strategy, epochs: int, ckpt_path=None, callbacks=()):
     return trainer
 
 
-def test_resume_keeps_states_on_host_and_matches_adamw(sim, tmp_path, monkeypatch):
+class SimAccelerator(Accelerator):
+    """The simulated device as a Lightning accelerator (Lightning's API for accelerators it does not ship):
+    one device, the simulator's current one."""
+
+    def setup_device(self, device: torch.device) -> None:
+        device_module().set_device(device.index or 0)
+
+    def teardown(self) -> None:
+        pass
+
+    @staticmethod
+    def parse_devices(devices):
+        return 1
+
+    @staticmethod
+    def get_parallel_devices(devices):
+        return [device.torch_device()]
+
+    @staticmethod
+    def auto_device_count() -> int:
+        return 1
+
+    @staticmethod
+    def is_available() -> bool:
+        return device.is_simulated()
+
+    @staticmethod
+    def name() -> str:
+        return "sim"
+
+    def get_device_stats(self, device):
+        return {}
+
+
+def device_module():
+    return device.get_torch_device_module()
+
+
+@pytest.fixture
+def on_accelerator(sim):
+    """Lightning on the simulated accelerator (SimAccelerator, strategies on its device). torch's default device
+    is the host's, as in a training script: Lightning places the model and the batches."""
+    previous = torch.get_default_device()
+    torch.set_default_device("cpu")
+    try:
+        yield sim
+    finally:
+        torch.set_default_device(previous)
+
+
+def test_resume_keeps_states_on_host_and_matches_adamw(on_accelerator, tmp_path, monkeypatch):
     moved = []
     real = strategy_module._optimizer_to_device
     monkeypatch.setattr(strategy_module, "_optimizer_to_device", lambda opt, dev: (moved.append(opt), real(opt, dev)))
 
     plain = Regressor(swap=False)
-    fit(tmp_path / "plain", plain, SingleDeviceStrategy(device="cpu"), 2)
+    fit(tmp_path / "plain", plain, SingleDeviceStrategy(device=device.torch_device()), 2)
 
     first = Regressor(swap=True)
-    fit(tmp_path / "swap", first, SwapSingleDeviceStrategy(device="cpu"), 1)
+    fit(tmp_path / "swap", first, SwapSingleDeviceStrategy(device=device.torch_device()), 1)
     ckpt = tmp_path / "swap" / "epoch=0-step=2.ckpt"
     assert ckpt.is_file()
 
     # Stock strategy: Lightning hands the swapped states to _optimizer_to_device on resume (the bug).
     moved.clear()
-    fit(tmp_path / "stock", Regressor(swap=True), SingleDeviceStrategy(device="cpu"), 2, ckpt_path=ckpt)
+    fit(tmp_path / "stock", Regressor(swap=True), SingleDeviceStrategy(device=device.torch_device()), 2, ckpt_path=ckpt)
     assert any(isinstance(o, SwapOptimizer) for o in moved)
 
     moved.clear()
     hook = HostStates()
     resumed = Regressor(swap=True)
-    trainer = fit(tmp_path / "resumed", resumed, SwapSingleDeviceStrategy(device="cpu"), 2, ckpt_path=ckpt,
+    trainer = fit(tmp_path / "resumed", resumed, SwapSingleDeviceStrategy(device=device.torch_device()), 2, ckpt_path=ckpt,
                   callbacks=[hook])
     assert not any(isinstance(o, SwapOptimizer) for o in moved)
     assert hook.checked and trainer.global_step == 4
@@ -118,6 +169,6 @@ def test_keep_states_on_host_rehomes_device_states(sim):
     assert not device.is_host_tensor(on_device)
     assert keep_states_on_host([opt, torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)]) == 1
     home = opt.state[params[0]]["exp_avg"]
-    assert device.is_host_tensor(home) and torch.equal(home, on_device)
+    assert device.is_host_tensor(home) and torch.equal(home, on_device.cpu())
     opt.step()  # the re-homed tensor is what the next step streams
     assert keep_states_on_host([opt]) == 0

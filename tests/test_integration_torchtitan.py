@@ -17,6 +17,8 @@ from torchtitan.components.optimizer import (  # noqa: E402
 )
 from dist_utils import assert_host_states  # noqa: E402
 
+import device  # noqa: E402
+
 from swapopt import SwapOptimizer  # noqa: E402
 from swapopt.integrations.torchtitan import SwapOptimizersContainer  # noqa: E402
 
@@ -58,7 +60,7 @@ def checkpointer(folder, m, opts, scheds, async_mode: str = "disabled") -> Check
 
 def train(m, opts, scheds, start: int, steps: int, ckpt=None) -> None:
     for step in range(start, start + steps):
-        x = torch.randn(5, 6, generator=torch.Generator().manual_seed(step))
+        x = torch.randn(5, 6, generator=torch.Generator().manual_seed(step), device="cpu").to(device.torch_device())
         m(x).pow(2).mean().backward()
         if ckpt is not None:
             ckpt.maybe_wait_for_staging()  # as torchtitan's trainer does before every step
@@ -74,9 +76,10 @@ def snapshot(m, opts) -> dict:
 
 
 def assert_same(a: dict, b: dict) -> None:
+    """Bitwise, compared on the host (.cpu() on both sides, as on CUDA: swapped states live in host memory)."""
     assert a.keys() == b.keys()
     for k in a:
-        assert torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k], k
+        assert torch.equal(a[k].cpu(), b[k].cpu()) if isinstance(a[k], torch.Tensor) else a[k] == b[k], k
 
 
 def test_config_knobs_are_validated_and_wrap_each_optimizer(sim):

@@ -43,10 +43,11 @@ def snapshot(engine: TrainEngine) -> dict:
 
 
 def assert_same(a: dict, b: dict) -> None:
+    """Bitwise, compared on the host (.cpu() on both sides, as on CUDA: swapped states live in host memory)."""
     assert a.keys() == b.keys()
     for key in a:
         if isinstance(a[key], torch.Tensor):
-            assert torch.equal(a[key], b[key]), key
+            assert torch.equal(a[key].cpu(), b[key].cpu()), key
         else:
             assert a[key] == b[key], key
 

@@ -226,7 +226,7 @@ def test_state_moved_to_device_is_rehomed(sim, logs):
     assert any(lvl == "WARNING" and "device memory" in m for lvl, m in logs)
     for p, r in zip(ps, rs):
         assert torch.equal(p.detach(), r.detach())
-        assert torch.equal(opt.state[p]["exp_avg"], ref.state[r]["exp_avg"])
+        assert torch.equal(opt.state[p]["exp_avg"].cpu(), ref.state[r]["exp_avg"].cpu())  # host vs device
 
 
 def test_states_built_at_construction_move_to_host(sim):
@@ -376,12 +376,12 @@ def test_sparse_grads_name_the_alternative(sim):
 
 def test_host_params_step_in_place_and_meta_gets_torchs_error(sim):
     dev_p = torch.nn.Parameter(torch.randn(100))
-    host_p = torch.nn.Parameter(torch.tensor([1.0, 2.0, 3.0]))  # a literal: host memory on the simulator
+    host_p = torch.nn.Parameter(torch.tensor([1.0, 2.0, 3.0], device="cpu"))  # host memory, asked for by name
     assert sim.is_host(host_p) and not sim.is_host(dev_p)
     rs = [torch.nn.Parameter(dev_p.detach().clone()), torch.nn.Parameter(host_p.detach().clone())]
     opt, ref = SwapOptimizer(O.AdamW([dev_p, host_p], lr=0.1)), O.AdamW(rs, lr=0.1)
     for _ in range(3):
-        gs = [torch.randn(100), torch.tensor([0.5, -1.0, 2.0])]
+        gs = [torch.randn(100), torch.tensor([0.5, -1.0, 2.0], device="cpu")]  # a host param's grad is on the host
         for p, r, g in zip((dev_p, host_p), rs, gs):
             p.grad, r.grad = g.clone(), g.clone()
         opt.step()

@@ -1,4 +1,4 @@
-"""overlap_forward under FSDP2 (fully_shard on a CPU mesh, gloo, 2 ranks on the simulator, sanitizer on):
+"""overlap_forward under FSDP2 (fully_shard on a mesh of the simulated device, gloo, 2 ranks on the simulator, sanitizer on):
 losses and params bitwise equal with the knob on and off, and the per-unit waits really used.
 
 Run as a script, this file is one rank: ``test_overlap_fsdp.py on|off OUT``.
@@ -6,6 +6,7 @@ Run as a script, this file is one rank: ``test_overlap_fsdp.py on|off OUT``.
 
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
@@ -21,10 +22,13 @@ def _rank(mode: str, out: str) -> None:
     import device
     from swapopt import SwapOptimizer
 
-    assert device.get_device() == "sim"
+    assert device.is_simulated()
+    device.get_torch_device_module().set_device(int(os.environ["LOCAL_RANK"]))  # each rank its device, as on CUDA
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = sharded_mlp((12, 16, 9, 3), world)
+    dev = device.torch_device()
+    with dev:  # built on the device, as FSDP2 keeps it (mesh of the device's type)
+        model = sharded_mlp((12, 16, 9, 3), world, mesh_device=dev.type)
     inner = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=True)
     opt = SwapOptimizer(inner, swap_optimizer_times=3, overlap_forward=mode == "on")
     opt.attach(model)  # after fully_shard: the unit hooks run before FSDP's all-gather
@@ -32,7 +36,7 @@ def _rank(mode: str, out: str) -> None:
     for step in range(STEPS):
         g = torch.Generator().manual_seed(1000 * step + rank)
         opt.zero_grad(set_to_none=True)
-        loss = model(torch.randn(4, 12, generator=g)).pow(2).mean()
+        loss = model(torch.randn(4, 12, generator=g).to(dev)).pow(2).mean()
         if mode == "on" and step:
             assert not opt.operate.pending, "the forward waited for every param's update"
         losses.append(loss.detach().clone())

@@ -22,6 +22,7 @@ from stepping import (
 )
 from torch import nn
 
+import device
 from swapopt import SwapAdamW, SwapConfig, SwapOptimizer
 from swapopt.engine.config import AdamWConfig
 
@@ -219,7 +220,7 @@ def _assert_bitwise(model, opt, twin, ref) -> None:
     opt.wait_for_swap_out()
     for p, r in zip(model.parameters(), twin.parameters()):
         assert torch.equal(p.detach(), r.detach())
-        assert all(torch.equal(torch.as_tensor(opt.state[p][k]), torch.as_tensor(v)) for k, v in ref.state[r].items())
+        assert all(torch.equal(torch.as_tensor(opt.state[p][k]).cpu(), torch.as_tensor(v).cpu()) for k, v in ref.state[r].items())
 
 
 @pytest.mark.parametrize("action", ["load_state_dict", "offload", "invalidate", "grad_lost", "add_param_group"])
@@ -339,7 +340,7 @@ def test_fsdp2_one_rank_prefetch_bitwise(pg, overlap):
     from dist_utils import sharded_mlp
 
     def run(prefetch: bool):
-        model = sharded_mlp((12, 16, 9, 3), 1)
+        model = sharded_mlp((12, 16, 9, 3), 1, mesh_device=device.torch_device().type)  # params on the device
         inner = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=True)
         opt = SwapOptimizer(inner, swap_optimizer_times=3, overlap_forward=overlap, prefetch=prefetch)
         opt.attach(model)  # after fully_shard; the prefetch hook runs after FSDP's post-forward
@@ -347,10 +348,16 @@ def test_fsdp2_one_rank_prefetch_bitwise(pg, overlap):
         for step in range(STEPS):
             g = torch.Generator().manual_seed(step)
             opt.zero_grad(set_to_none=True)
-            loss = model(torch.randn(4, 12, generator=g)).pow(2).mean()
+            x = torch.randn(4, 12, generator=g, device="cpu").to(device.torch_device())  # a CPU generator draws on the host
+            loss = model(x).pow(2).mean()
             used += opt.operate.prefetched is not None
             loss.backward()
             opt.step()
+            # FSDP2 allocates the sharded grads on its reduce-scatter stream and the step reads them on the
+            # current one; freeing them (zero_grad(set_to_none=True)) needs record_stream by CUDA's rules,
+            # which FSDP2 leaves out (its later reduce-scatters are ordered after the step anyway).
+            for p in model.parameters():
+                device.record_stream(p.grad, device.get_torch_device_module().current_stream())
         opt.wait_for_update()
         full = [p.full_tensor().clone() for p in model.parameters()]
         opt.wait_for_swap_out()

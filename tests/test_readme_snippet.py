@@ -31,9 +31,9 @@ PRELUDE = textwrap.dedent(
         torch.manual_seed(0)
         return Model()
 
-    def batches(n=4):
+    def batches(n=4):  # batches on the accelerator, as a script's loader hands them to the model
         for _ in range(n):
-            yield torch.randn(8, 16), torch.randn(8)
+            yield torch.randn(8, 16).cuda(), torch.randn(8).cuda()
 
     loader = batches()
     """
@@ -43,7 +43,7 @@ EPILOGUE = textwrap.dedent(
     """
     import device
     simulated = device.get_torch_device_module()
-    assert device.get_device() == "sim" and device.sim.active() is simulated
+    assert device.is_simulated() and device.sim.active() is simulated
     p = next(model.parameters())
     assert not simulated.is_host(p), "the model lives in simulated device memory"
     opt.wait_for_swap_out()

@@ -10,11 +10,16 @@ import simdevice as simulator
 
 
 def test_module_surface(sim):
-    assert sim.is_available() and sim.device_count() == 1 and sim.current_device() == 0
+    count = simulator.device_count()  # SWAPOPT_SIM_DEVICES, as CUDA_VISIBLE_DEVICES limits CUDA's
+    assert sim.is_available() and sim.device_count() == count and sim.current_device() == 0
+    sim.set_device(count - 1)
+    assert sim.current_device() == count - 1
     sim.set_device(0)
-    sim.set_device(torch.device("cpu"))
-    with pytest.raises(ValueError):
-        sim.set_device(1)
+    with pytest.raises(ValueError):  # torch.cuda.set_device refuses the host, as it does any non-cuda device
+        sim.set_device(torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="invalid device ordinal"):
+        sim.set_device(count)
+    assert sim.current_device() == 0
     assert sim.default_stream() is sim.current_stream()
     assert sim.default_stream().name == "compute"
     s = sim.Stream()
@@ -73,7 +78,7 @@ def test_successful_query_orders_the_host(sim):
     event = s.record_event()
     while not event.query():
         pass
-    assert torch.equal(host, torch.full((8,), 5.0))
+    assert torch.equal(host, torch.full((8,), 5.0, device="cpu"))
 
 
 def test_wait_on_unrecorded_event_is_a_no_op(sim):
@@ -94,7 +99,7 @@ def test_synchronize_orders_everything(sim):
     sim.synchronize()
     assert sim.now_us() == pytest.approx(max(op.end_us for op in sim.timeline))
     for i, h in enumerate(hosts):
-        assert torch.equal(h, torch.full((16,), float(i)))
+        assert torch.equal(h, torch.full((16,), float(i), device="cpu"))
     for src in srcs:
         src.zero_()  # every stream is done with the sources
 
@@ -127,13 +132,16 @@ def test_load_state_dict_places_states_as_cuda_would(sim, fused):
 
 
 def test_cuda_moves_host_tensors_and_modules(sim):
-    before = torch.tensor([1.0, 2.0, 3.0, 4.0])  # a literal: pageable host memory
+    """.cuda() / .to("cuda") (the cuda flavour) or .npu() / .to("npu") (the npu flavour) copy host tensors and
+    modules to the simulated device."""
+    name = sim.flavour  # the device type the code names: "cuda" or "npu"
+    before = torch.tensor([1.0, 2.0, 3.0, 4.0], device="cpu")  # pageable host memory
     assert sim.is_host(before)
-    moved = before.cuda()
-    assert not sim.is_host(moved) and torch.equal(moved, before)
-    assert moved.cuda() is moved and not sim.is_host(before.to("cuda"))
-    layer = torch.nn.Linear(2, 2)
-    layer.weight.data = torch.tensor([[1.0, 0.0], [0.0, 1.0]])  # host weights, as on CUDA before .cuda()
+    moved = getattr(before, name)()
+    assert not sim.is_host(moved) and torch.equal(moved.cpu(), before)
+    assert getattr(moved, name)() is moved and not sim.is_host(before.to(name))
+    layer = torch.nn.Linear(2, 2, device="cpu")
+    layer.weight.data = torch.tensor([[1.0, 0.0], [0.0, 1.0]], device="cpu")  # host weights, as before .cuda()
     assert sim.is_host(layer.weight)
-    assert layer.cuda() is layer and not sim.is_host(layer.weight)
+    assert getattr(layer, name)() is layer and not sim.is_host(layer.weight)
     assert torch.equal(layer.weight, torch.eye(2))

@@ -63,6 +63,10 @@ def test_set_device_places_new_tensors_and_their_memory(seen: tuple[str, dict]) 
     assert s["set_device_1"] == {"tensor": f"{FLAVOURS[preset][1]}:1", "bytes_on_1": 4096}
 
 
+def test_torch_device_module_streams_order_work(seen: tuple[str, dict]) -> None:
+    assert seen[1]["streams"] is True  # torch.cuda.Stream / torch.npu.Stream used directly, as libraries do
+
+
 def test_save_load_round_trips_on_the_device(seen: tuple[str, dict]) -> None:
     assert seen[1]["saved_loaded"] is True
 

@@ -34,7 +34,7 @@ def test_allocation_free_and_peak_are_exact(sim):
 
 def test_pinned_and_pageable_memory_are_not_device_memory(sim):
     pinned = device.pinned_empty((256, 4), torch.bfloat16)
-    literal = torch.tensor([1.0, 2.0])
+    literal = torch.tensor([1.0, 2.0], device="cpu")  # pageable host memory
     assert sim.memory_allocated() == 0
     assert sim.is_host(pinned) and sim.is_host(literal)
     copy = torch.empty(256, 4, dtype=torch.bfloat16)
@@ -92,8 +92,8 @@ def test_live_bytes_match_sum_of_storages(sizes):
 
 
 def test_pin_memory_paths_give_host_memory(sim):
-    a = torch.empty(100, pin_memory=True)
-    literal = torch.tensor([1.0, 2.0, 3.0])
+    a = torch.empty(100, device="cpu", pin_memory=True)
+    literal = torch.tensor([1.0, 2.0, 3.0], device="cpu")
     b = literal.pin_memory()
     assert a.is_pinned() and b.is_pinned() and not literal.is_pinned()
     assert sim.is_host(a) and sim.is_host(b) and torch.equal(b, literal)
@@ -103,12 +103,14 @@ def test_pin_memory_paths_give_host_memory(sim):
     assert pinned.is_pinned() and sim.host_memory_allocated() == 512
     del a
     assert sim.host_memory_allocated() == 112 and sim.max_host_memory_allocated() == 512
-    # A factory tensor made while active is device memory here but host memory in the same CUDA code:
-    # pinning it gives a pinned host copy, as on CUDA.
+    # Device memory cannot be pinned, as on CUDA; a host copy of it can.
     made = torch.ones(4)
-    pinned_copy = made.pin_memory()
-    assert sim.is_host(pinned_copy) and pinned_copy.is_pinned() and not sim.is_host(made)
-    assert torch.equal(pinned_copy, made)
+    assert not sim.is_host(made) and not made.is_pinned()
+    with pytest.raises(RuntimeError, match="only dense CPU tensors can be pinned"):
+        made.pin_memory()
+    pinned_copy = made.cpu().pin_memory()
+    assert sim.is_host(pinned_copy) and pinned_copy.is_pinned()
+    assert torch.equal(pinned_copy, made.cpu())
 
 
 def test_resize_peak_holds_old_and_new_block(sim):
@@ -180,7 +182,8 @@ def test_threads_allocations_are_counted(sim):
     import threading
 
     held = []
-    worker = threading.Thread(target=lambda: held.append(torch.empty(256)))
+    # torch's default device is per thread (as on CUDA): the worker names the device
+    worker = threading.Thread(target=lambda: held.append(torch.empty(256, device=sim.torch_device())))
     worker.start()
     worker.join()
     assert sim.memory_allocated() == 1024 and not sim.is_host(held[0])
@@ -211,9 +214,10 @@ def test_free_storage_needs_record_stream_for_other_streams(sim):
     side.wait_stream(sim.current_stream())
     with sim.stream(side):
         slot.add_(1.0)
+    device.free_storage(slot)  # back to compute's pool while `side` still writes it
+    assert slot.untyped_storage().nbytes() == 0
     with pytest.raises(simulator.StreamRaceError):
-        device.free_storage(slot)  # the allocator could hand the block out while `side` still writes it
-    assert slot.untyped_storage().nbytes() == 0  # freed all the same, as the allocator would
+        torch.empty(8)  # compute's next allocation could get that block (Note [free and reuse])
     device.alloc_storage(slot, 1024)
     side.wait_stream(sim.current_stream())
     with sim.stream(side):

@@ -111,7 +111,7 @@ def flow_torch_load_to_host(case: dict) -> list[torch.Tensor]:
 def _tensor_lr(rank: int) -> Callable[[dict], list[torch.Tensor]]:
     def flow(case: dict) -> list[torch.Tensor]:
         lr = float(case["kwargs"].get("lr", 1e-3))
-        lr = torch.tensor(lr).reshape([1] * rank)  # a host tensor, as users write it
+        lr = torch.tensor(lr).reshape([1] * rank)  # as users write it: on the default device (the simulated one)
         return flow_steps({**case, "kwargs": {**case["kwargs"], "lr": lr}})
 
     flow.__name__ = f"flow_tensor_lr_rank{rank}"
@@ -184,7 +184,7 @@ def test_flow_runs_the_same_with_the_simulator(case, flow, clean_device_env):
         sim.synchronize()
     assert len(simulated) == len(plain)
     for a, b in zip(plain, simulated):
-        assert a.dtype == b.dtype and torch.equal(a, b)
+        assert a.dtype == b.dtype and torch.equal(a.cpu(), b.cpu())
 
 
 def test_most_cases_run():

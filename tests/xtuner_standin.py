@@ -42,7 +42,7 @@ class TinyLM(nn.Module):
         self.head = nn.Linear(12, 32, bias=False)
         with torch.no_grad():
             for p in self.parameters():
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+                p.copy_(torch.randn(p.shape, generator=gen, device="cpu") * 0.2)  # a CPU generator draws on the CPU
         self.norm.weight.requires_grad_(False)
 
     def trainable_parameters(self) -> list[tuple[str, nn.Parameter]]:
@@ -58,7 +58,9 @@ class TinyLM(nn.Module):
 
 
 def batch(step: int) -> torch.Tensor:
-    return torch.randint(0, 32, (4, 9), generator=torch.Generator().manual_seed(100 + step))
+    """Token ids drawn on the host and moved to the device, as XTuner's data loader and engine do."""
+    ids = torch.randint(0, 32, (4, 9), generator=torch.Generator().manual_seed(100 + step), device="cpu")
+    return ids.to(device.torch_device())
 
 
 class TrainEngine:
@@ -76,7 +78,7 @@ class TrainEngine:
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import fully_shard
 
-            mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+            mesh = init_device_mesh(device.torch_device().type, (dist.get_world_size(),))  # XTuner's DEVICE mesh
             for block in model.blocks:
                 fully_shard(block, mesh=mesh)
             fully_shard(model, mesh=mesh)

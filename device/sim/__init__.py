@@ -16,6 +16,7 @@ from device.sim.device import (
     device_count,
     preset_from_env,
     process_device,
+    process_flavour,
     typed_default,
 )
 from device.sim.presets import PRESETS, SimPreset
@@ -42,6 +43,7 @@ __all__ = [
     "device_count",
     "preset_from_env",
     "process_device",
+    "process_flavour",
     "registered_flavour",
     "typed_default",
 ]

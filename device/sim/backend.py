@@ -171,5 +171,5 @@ def register(flavour: str) -> None:
         _KERNELS.impl(name, functools.partial(_backend_kernel, getattr(torch.ops.aten, name.split(".")[0])), "PrivateUse1")
     if flavour == "npu" and "torch_npu" not in sys.modules:
         sys.modules["torch_npu"] = _npu_package(module)
-        sys.modules["torch_npu.npu"] = module
+        sys.modules["torch_npu.npu"] = sys.modules["torch.npu"] = module  # torch.npu is torch_npu.npu
     _REGISTERED.append(flavour)

@@ -144,6 +144,8 @@ class SimDevice:
         self._tls = threading.local()
         self._lock = threading.RLock()
         self._late_frees: list[tuple[int, int]] = []
+        # Note [free and reuse]: per allocation stream, blocks freed while another stream may still use them.
+        self._hazards: dict[int, list[tuple[Access, int, int]]] = {}
         self._host_actors = {HOST}
         # Stacks of accesses, for StreamRaceError.earlier_stack; off by default (it costs per op).
         self.stacks = os.environ.get("SWAPOPT_SIM_STACKS", "0") not in ("", "0")
@@ -255,6 +257,7 @@ class SimDevice:
         self._timeline.wait_host(self._timeline.device_tail_us())
         with self._lock:
             self._drain_frees()
+            self._hazards.clear()  # every use is done: a freed block is safe to hand out again
         self._clocks.compact()  # dropped streams the host has now seen stop costing anything
         self._raise_pending()
 
@@ -589,6 +592,12 @@ class SimDevice:
         info = _Storage(uid or self._uid, kind, storage.nbytes(), actor)
         self._storages[key] = info
         if kind == DEVICE:
+            if self._hazards and self.sanitize:
+                try:
+                    self._check_reuse(actor)
+                except StreamRaceError:
+                    del self._storages[key]
+                    raise
             info.index = self.current_device() if index is None else index
             block = self._memory(info.index).allocate(info.nbytes)
             if block is None:
@@ -649,12 +658,12 @@ class SimDevice:
             mem.free_after(info.block, ready)
         else:
             mem.free(info.block)
-        if self.sanitize and self._pending is None:
+        if self.sanitize:
             self._check_free(info)
 
     def _check_free(self, info: _Storage) -> None:
-        """A device block returns to its allocation stream's pool: other streams' unordered uses must be
-        covered by record_stream, or the allocator may hand the memory out while they still run."""
+        """A device block returns to its allocation stream's pool (Note [free and reuse]): other streams'
+        uses not yet ordered before that stream, nor covered by record_stream, become a hazard of it."""
         alloc_clock = self._clocks.clock(info.alloc_actor)
         host_clock = self._clocks.clock(self._host())
         for rec in info.log.records:
@@ -662,20 +671,33 @@ class SimDevice:
                 continue
             if alloc_clock.get(rec.actor, 0) >= rec.epoch or host_clock.get(rec.actor, 0) >= rec.epoch:
                 continue
-            alloc_stream = self._actor_names[info.alloc_actor]
-            self._pending = StreamRaceError(
-                f"a device tensor of shape {tuple(rec.shape)} ({info.nbytes} bytes, storage #{info.uid}) "
-                f"allocated on {alloc_stream} was freed while {rec.op} on {where(rec, self._actor_names)} "
-                f"may still use it; call device.record_stream(t, stream) before dropping it or make "
-                f"{alloc_stream} wait for that stream",
+            self._hazards.setdefault(info.alloc_actor, []).append((rec, info.uid, info.nbytes))
+            return
+
+    def _check_reuse(self, actor: int) -> None:
+        """Stream `actor` allocates: the caching allocator may hand it a block freed with a hazard, so each
+        hazard must by now be ordered before this stream (or seen done by the host), else it is a race."""
+        hazards = self._hazards.pop(actor, None)
+        if not hazards:
+            return
+        clock = self._clocks.clock(actor)
+        host_clock = self._clocks.clock(self._host())
+        for rec, uid, nbytes in hazards:
+            if clock.get(rec.actor, 0) >= rec.epoch or host_clock.get(rec.actor, 0) >= rec.epoch:
+                continue
+            stream = self._actor_names[actor]
+            raise StreamRaceError(
+                f"a device tensor of shape {tuple(rec.shape)} ({nbytes} bytes, storage #{uid}) allocated on "
+                f"{stream} was freed while {rec.op} on {where(rec, self._actor_names)} may still use it, and "
+                f"{stream} allocates again, which may hand that memory out; call device.record_stream(t, stream) "
+                f"before dropping it or make {stream} wait for that stream first",
                 kind="free",
                 earlier=rec,
-                stream=alloc_stream,
+                stream=stream,
                 earlier_stream=self._actor_names[rec.actor],
-                storage=info.uid,
-                nbytes=info.nbytes,
+                storage=uid,
+                nbytes=nbytes,
             )
-            return
 
     def _oom(self, need: int, index: int | None = None) -> OutOfMemoryError:
         index = self.current_device() if index is None else index
@@ -804,6 +826,8 @@ class SimDevice:
             kwargs = {k: _unwrap(v, found, hosts) for k, v in kwargs.items()}
         packet = func.overloadpacket
         device = kwargs.get("device")
+        if device is not None and torch.device(device).type == "meta":
+            return func(*args, **kwargs)  # meta tensors hold no memory and run no kernel, as on CUDA
         if device is not None:
             place = self._route(device)
             kwargs["device"] = _CPU
@@ -998,7 +1022,9 @@ class SimDevice:
                     if block is None:  # resized behind the dispatcher: past capacity, report it now
                         info.block, info.nbytes = Block(0), 0
                         raise self._oom(nbytes, info.index)
-                    info.block, info.nbytes = block, nbytes
+                    grew, info.block, info.nbytes = nbytes > info.nbytes, block, nbytes
+                    if grew and self.sanitize:  # a fresh block: safe on the stream that resized it only
+                        self._allocated(info, self.current_stream())
 
     def _check_resize(self, func: Any, args: tuple, kwargs: dict, tensor_args: list[_Arg]) -> None:
         """resize_ of a device tensor beyond what fits raises before resizing, like the allocator."""
@@ -1041,6 +1067,15 @@ class SimDevice:
             acc = Access(rng[0], rng[1], True, stream.actor, epoch, name, self._label(), t.shape, None, stack)
             info.log.add(acc, self._clocks)
 
+
+
+# Note [free and reuse]
+# A block freed on the host returns to the pool of the stream that allocated it, and the caching allocator
+# hands it out again only to a later allocation on that stream. So a use by another stream that is still
+# unordered at the free is a race only if that stream allocates before it is ordered after the use (an
+# event or stream wait, record_stream, or a synchronize, which clears every hazard). This is how FSDP2
+# frees its reduce-scatter outputs safely: the reduce-scatter stream waits for the compute stream before
+# it allocates again. The race is raised at that allocation.
 
 
 def typed_default() -> bool:

@@ -44,6 +44,13 @@ class SimTensor(torch.Tensor):
             body = body[: -1] + f", device='{self.device}')"
         return body
 
+    def __format__(self, format_spec: str) -> str:
+        # torch.Tensor.__format__ formats a 0-dim tensor as its number only when its type is exactly Tensor; a
+        # 0-dim CUDA tensor formats as its number (f"{step}": Lightning's checkpoint names, say).
+        if self.dim() == 0:
+            return self.detach().item().__format__(format_spec)
+        return super().__format__(format_spec)
+
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         # Reached with no simulator active (one that is active sees every op first): the tensor outlives its
@@ -60,12 +67,9 @@ class SimTensor(torch.Tensor):
 
     def __reduce_ex__(self, protocol: int) -> Any:
         # torch.save writes a host copy (a dispatched device-to-host copy, ordered like any other), rebuilt on
-        # load with torch's own function for backends without host-visible storage (allowed by weights_only).
+        # load as torch's own function for backends without host-visible storage does (_rebuild_from_host).
         host = self.detach().cpu()
-        return (
-            torch._utils._rebuild_device_tensor_from_cpu_tensor,
-            (host, self.dtype, str(self.device), self.requires_grad),
-        )
+        return (_rebuild_from_host, (host, self.dtype, str(self.device), self.requires_grad))
 
     # torch.compile and Module._apply (swap_tensors) see the wrapper through this protocol.
     def __tensor_flatten__(self) -> tuple[list[str], torch.device]:
@@ -75,6 +79,21 @@ class SimTensor(torch.Tensor):
     def __tensor_unflatten__(inner: dict, device: torch.device, outer_size: Any, outer_stride: Any) -> SimTensor:
         return SimTensor(inner["_elem"], device)
 
+
+def _rebuild_from_host(data: torch.Tensor, dtype: torch.dtype, device: str, requires_grad: bool) -> torch.Tensor:
+    """torch._utils._rebuild_device_tensor_from_cpu_tensor, which refuses a callable map_location; torch calls one
+    with a CUDA tensor's storage (on the host) and its saved location, and places the tensor where the storage it
+    returns lives (None: the saved device). Lightning loads with `lambda storage, loc: storage`: host memory."""
+    map_location = torch.serialization._serialization_tls.map_location
+    if map_location is None or isinstance(map_location, (dict, str, torch.device)):
+        return torch._utils._rebuild_device_tensor_from_cpu_tensor(data, dtype, device, requires_grad)
+    placed = map_location(data.untyped_storage(), device)
+    tensor = data.to(dtype=dtype, device=device if placed is None else placed.device)
+    tensor.requires_grad = requires_grad
+    return tensor
+
+
+torch.serialization.add_safe_globals([_rebuild_from_host])  # loads with weights_only, as torch's own function
 
 _CPU = torch.device("cpu")
 # Ops whose tensors may sit on different devices: copies (op_info().copy) and these.
@@ -100,7 +119,8 @@ def _unwrap(value: Any, found: list, hosts: list) -> Any:
     if isinstance(value, torch.Tensor):
         hosts.append(value)
         return value
-    if isinstance(value, (list, tuple)) and value and isinstance(value[0], (torch.Tensor, type(None))):
+    # Nested lists too: c10d's scatter/gather/all_gather take Tensor[][] (one list per rank).
+    if isinstance(value, (list, tuple)) and value and isinstance(value[0], (torch.Tensor, type(None), list, tuple)):
         return type(value)(_unwrap(v, found, hosts) for v in value)
     return value
 

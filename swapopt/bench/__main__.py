@@ -192,7 +192,7 @@ def _run(args: argparse.Namespace) -> tuple[Report, list[Path]]:
     preset = dataclasses.asdict(mod.preset) if simulated else None
     name = label if simulated else f"{label} ({device.get_device()})"
     report = Report(
-        device=device.get_device(), device_name=name, torch=torch.__version__,
+        device="sim" if simulated else device.get_device(), device_name=name, torch=torch.__version__,
         date=f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC}", preset=preset, impl=cfg.impl,
         sizes=results, targets=[targets_for(s) for s in results], e2e=e2e, layouts=layouts,
         notes=[SIM_NOTE] if simulated else [],

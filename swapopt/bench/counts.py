@@ -25,6 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import device
 from device.sim import host_time
 from device.sim.ops import op_info, tensors
+from device.sim.tensor import SimTensor
 
 _PLAIN_DISPATCH = torch.Tensor.__torch_dispatch__
 
@@ -108,7 +109,8 @@ class LaunchCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         for t in types:
-            if t.__torch_dispatch__ is not _PLAIN_DISPATCH:
+            # Simulated device tensors are the device's own tensors (the simulator's mode below runs them).
+            if t is not SimTensor and t.__torch_dispatch__ is not _PLAIN_DISPATCH:
                 return NotImplemented  # tensor subclasses (DTensor) come back as their local ops
         host_time.enter()  # an op from C++ (no simulator frame above it) is outside Python work too
         self.counts.dispatched += 1

@@ -169,7 +169,7 @@ def device_label() -> str:
     """'sim-h100', 'cuda-NVIDIA-H100-80GB-HBM3', ... for file names and the report header."""
     kind = device.get_device()
     mod = device.get_torch_device_module()
-    if kind == "sim":
+    if device.is_simulated():  # get_device() names the flavour it presents (cuda/npu)
         return f"sim-{mod.preset.name}"
     name = kind
     if kind in ("cuda", "npu"):

@@ -45,10 +45,10 @@ class AdamWSpec(BaseModel):
 
     def new_step(self, param: torch.Tensor) -> torch.Tensor:
         # Same placement as torch.optim.Adam._init_group: fused keeps `step` beside the param, the
-        # other paths keep a CPU scalar (a tensor literal, i.e. pageable host memory on the simulator).
+        # other paths keep a CPU scalar (pageable host memory, named: not torch's default device).
         if self.impl == "fused":
             return torch.zeros((), dtype=torch.float32, device=param.device)
-        return torch.tensor(0.0, dtype=torch.float32)
+        return torch.tensor(0.0, dtype=torch.float32, device="cpu")
 
     def update(
         self,
@@ -113,7 +113,8 @@ class _HostStateStrategy:
         self.host = {p: {k: _host_zeros_like(p) for k in STATE_KEYS} for p in self.params}
         # The host step keeps its counters on the host too (fused wants them beside the tensors it updates).
         self.steps = {
-            p: torch.tensor(0.0, dtype=torch.float32) if step_on_host else spec.new_step(p) for p in self.params
+            p: torch.tensor(0.0, dtype=torch.float32, device="cpu") if step_on_host else spec.new_step(p)
+            for p in self.params
         }
 
     def drain(self) -> None:
@@ -371,7 +372,7 @@ class HostStep(_HostStateStrategy):
 
 def torchao_offload_class():
     """torchao's CPUOffloadOptimizer class, or None when torchao (or CUDA, which it needs) is absent."""
-    if device.get_device() != "cuda":
+    if device.get_device() != "cuda" or device.is_simulated():  # the simulator's cuda flavour is no CUDA
         return None
     try:
         from torchao.optim import CPUOffloadOptimizer

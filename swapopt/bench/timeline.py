@@ -91,7 +91,7 @@ def _profiler_spans(strategy) -> list[Span]:
 def capture_step(strategy) -> list[Span]:
     """Run one step of `strategy` and return its device spans (empty where no trace is available)."""
     kind = device.get_device()
-    if kind == "sim":
+    if device.is_simulated():  # get_device() names the flavour it presents (cuda/npu)
         return _sim_spans(strategy)
     if kind == "cuda" and torch.cuda.is_available():
         return _profiler_spans(strategy)

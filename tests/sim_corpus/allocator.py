@@ -34,7 +34,8 @@ def free_while_side_stream_uses_it(sim):
     side = side_stream(sim)
     with sim.stream(side):
         staging.copy_(pinned(), non_blocking=True)
-    del staging  # compute may hand the block out again while the copy runs
+    del staging  # back to compute's pool while the copy runs...
+    torch.empty(N)  # ...and compute's next allocation may get it (Note [free and reuse])
 
 
 @program(G, OK)

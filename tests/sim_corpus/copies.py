@@ -31,7 +31,7 @@ def d2h_pinned_host_read_after_event_sync(sim):
 @program(G, OK)
 def d2h_into_pageable_is_blocking(sim):
     src = torch.full((N,), 2.0)
-    pageable = torch.tensor([0.0] * N)  # a literal: pageable host memory
+    pageable = torch.tensor([0.0] * N, device="cpu")  # pageable host memory
     side = side_stream(sim)
     with sim.stream(side):
         pageable.copy_(src, non_blocking=True)  # returns once the copy is done, as CUDA does
@@ -48,7 +48,7 @@ def host_overwrites_pinned_source_of_inflight_h2d(sim):
 
 @program(G, OK)
 def host_overwrites_pageable_source_of_h2d(sim):
-    src = torch.tensor([1.0] * N)
+    src = torch.tensor([1.0] * N, device="cpu")  # pageable host memory
     dst = torch.empty(N)
     side = side_stream(sim)
     with sim.stream(side):

@@ -51,12 +51,12 @@ def torch_load_of_device_tensors_gives_device_tensors(sim):
     sim.synchronize()
 
 
-@program(G, RACE)
-def torch_load_block_used_on_side_without_wait(sim):
+@program(G, OK)
+def torch_load_block_used_on_side_after_its_blocking_copy(sim):
     buf = io.BytesIO()
     torch.save({"x": torch.ones(32)}, buf)
     buf.seek(0)
-    y = torch.load(buf)["x"]
+    y = torch.load(buf)["x"]  # rebuilt on the device by a blocking copy: the host saw compute drain
     side = sim.Stream()
     with sim.stream(side):
         y.add_(1)

@@ -1,0 +1,166 @@
+"""``python -m swapopt.bench.simops [--out PATH]``: the simulator's host overhead per op.
+
+On the simulator every aten op passes through its dispatch mode (storage classes, stream, sanitizer,
+memory, timeline), so a step's host time there is mostly this bookkeeping, not the op. This measures it on
+four fixed loops, each on plain CPU torch (no simulator) and under ``sim.activate()`` (default preset,
+sanitizer on), so that a change to the simulator (e.g. how it tells device tensors apart) is judged by
+ops/s on the same loop: (a) in-place ``add_`` on 16 elements; (b) out-of-place ``mul`` on 16 elements;
+(c) forward + backward of 4 x Linear(64, 64) at batch 8; (d) ``AdamW(foreach=True).step()`` over 16
+params of 64 x 64. Each figure is the median, over 5 repeats after a warm-up, of N iterations timed with
+``time.perf_counter`` and closed by a device synchronize. Under the simulator the tensors are created inside
+the activated block, on ``device.torch_device()`` when that is not cpu. Imports only torch and ``device``,
+so it can be run by path against another checkout (``PYTHONPATH=<checkout> python simops.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import time
+from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import device
+from device import sim
+
+ITERS = {"add_": 2000, "mul": 2000, "mlp": 50, "adamw": 50}
+WHAT = {"add_": "x.add_(1) on 16 elements", "mul": "torch.mul(x, y) on 16 elements",
+        "mlp": "fwd+bwd, 4 x Linear(64,64), batch 8", "adamw": "AdamW(foreach=True).step(), 16 x (64,64)"}
+REPEATS = 5
+
+
+def build(name: str, kw: dict[str, Any]) -> Callable[[], object]:
+    """One iteration of loop ``name``, its tensors created now with ``kw`` (``{}`` or ``{"device": ...}``)."""
+    torch.manual_seed(0)
+    if name == "add_":
+        x = torch.zeros(16, **kw)
+        return lambda: x.add_(1.0)
+    if name == "mul":
+        x, y = torch.randn(16, **kw), torch.randn(16, **kw)
+        return lambda: torch.mul(x, y)
+    if name == "mlp":
+        model = torch.nn.Sequential(*[torch.nn.Linear(64, 64, **kw) for _ in range(4)])
+        inp = torch.randn(8, 64, **kw)
+
+        def fwd_bwd() -> None:
+            model.zero_grad(set_to_none=True)
+            model(inp).sum().backward()
+        return fwd_bwd
+    params = [torch.nn.Parameter(torch.randn(64, 64, **kw)) for _ in range(16)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    return torch.optim.AdamW(params, lr=1e-3, foreach=True).step
+
+
+class _Count(TorchDispatchMode):
+    """Counts the aten ops run under it (on plain CPU torch: the ops per iteration of a loop)."""
+
+    n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+def time_loop(fn: Callable[[], object], iters: int, sync: Callable[[], None]) -> list[float]:
+    """Seconds per iteration of each repeat, after max(2, iters // 10) warm-up iterations."""
+    for _ in range(max(2, iters // 10)):
+        fn()
+    sync()
+    out = []
+    for _ in range(REPEATS):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        sync()
+        out.append((time.perf_counter() - t0) / iters)
+    return out
+
+
+def run(iters: dict[str, int]) -> dict[str, Any]:
+    if sim.active() is not None:
+        raise RuntimeError("a simulator is already active (SWAPOPT_DEVICE=sim?): the plain rows would be simulated")
+    rows = {n: {"loop": n, "what": WHAT[n], "iters": k} for n, k in iters.items()}
+    for n, k in iters.items():
+        fn = build(n, {})
+        with _Count() as count:
+            fn()
+        rows[n]["aten_ops_per_iter"] = count.n
+        rows[n]["plain_repeats_us"] = [s * 1e6 for s in time_loop(fn, k, torch.cpu.synchronize)]
+    with sim.activate() as dev:
+        tdev = device.torch_device()
+        kw = {} if tdev.type == "cpu" else {"device": tdev}
+        for n, k in iters.items():
+            fn = build(n, kw)
+            rows[n]["sim_repeats_us"] = [s * 1e6 for s in time_loop(fn, k, dev.synchronize)]
+        preset = getattr(getattr(dev, "preset", None), "name", None)
+    for r in rows.values():
+        r["plain_us"], r["sim_us"] = (statistics.median(r[f"{k}_repeats_us"]) for k in ("plain", "sim"))
+        r["plain_ops_s"], r["sim_ops_s"] = 1e6 / r["plain_us"], 1e6 / r["sim_us"]
+        r["sim_us_per_aten_op"] = r["sim_us"] / r["aten_ops_per_iter"]
+        r["overhead"] = r["sim_us"] / r["plain_us"]
+    return {"sim_torch_device": str(tdev), "sim_preset": preset, "rows": list(rows.values())}
+
+
+def _machine() -> dict[str, Any]:
+    info = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
+    cpu = next((ln.split(":", 1)[1].strip() for ln in info if ln.startswith("model name")), "unknown")
+    return {"nproc": len(os.sched_getaffinity(0)), "cpu": cpu, "torch_threads": torch.get_num_threads()}
+
+
+def _commit(path: Path) -> str | None:
+    """HEAD's short hash of the checkout holding ``path``, "+dirty" when ``path`` has uncommitted changes."""
+    def git(*a: str) -> str:
+        return subprocess.run(["git", "-C", str(path), *a], capture_output=True, text=True).stdout.strip()
+    return (git("rev-parse", "--short", "HEAD") + ("+dirty" if git("status", "--porcelain", ".") else "")) or None
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| loop | N | aten ops/iter | plain us/iter | sim us/iter | plain iter/s | sim iter/s | sim us/aten op"
+             " | sim / plain |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['loop']}: {r['what']} | {r['iters']} | {r['aten_ops_per_iter']} | {r['plain_us']:.2f} | "
+                     f"{r['sim_us']:.2f} | {r['plain_ops_s']:,.0f} | {r['sim_ops_s']:,.0f} | "
+                     f"{r['sim_us_per_aten_op']:.2f} | {r['overhead']:.1f}x |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> tuple[Path, Path]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, default=Path(f"bench/results/sim-overhead-{datetime.now(timezone.utc):%Y-%m-%d}"),
+                    help="output stem: writes STEM.json and STEM.md")
+    ap.add_argument("--iters", type=int, help="N for every loop (default: %s)" % ITERS)
+    ap.add_argument("--label", default="", help="what this run measures, e.g. 'before: ... (commit abc1234)'")
+    args = ap.parse_args(argv)
+    res = run({n: args.iters or k for n, k in ITERS.items()})
+    src = Path(device.__file__).resolve().parent
+    report = {"device": "sim", "torch": torch.__version__, "date": f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC}",
+              "label": args.label, "device_package": str(src), "commit": _commit(src), "machine": _machine(),
+              "repeats": REPEATS, **res}
+    m = report["machine"]
+    md = (f"# swapopt benchmark: simulator per-op host overhead\n\n{args.label or 'unlabeled run'}\n\n"
+          f"torch {report['torch']}, {report['date']}, nproc {m['nproc']} ({m['cpu']}), torch threads "
+          f"{m['torch_threads']}; simulator preset {res['sim_preset']}, sanitizer on, tensors on "
+          f"`{res['sim_torch_device']}`; `device` from {src} (commit {report['commit'] or '-'}).\n\n"
+          f"{table(res['rows'])}\n\n## Notes\n\n- Median over {REPEATS} repeats of N iterations (host wall "
+          "time, `time.perf_counter`, closed by a synchronize), after a warm-up; plain = CPU torch, no simulator; "
+          "aten ops/iter counted on plain. No timing is asserted; figures vary with the machine and its load.\n")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    json_path, md_path = Path(f"{args.out}.json"), Path(f"{args.out}.md")
+    json_path.write_text(json.dumps(report, indent=1))
+    md_path.write_text(md)
+    print(table(res["rows"]))
+    print(f"wrote {json_path} and {md_path}")
+    return json_path, md_path
+
+
+if __name__ == "__main__":
+    main()

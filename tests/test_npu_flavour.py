@@ -1,0 +1,41 @@
+"""The device-dependent tests again, under the simulator's npu flavour (SWAPOPT_SIM_PRESET=910b: device
+type npu, torch.npu, an importable torch_npu), in a pytest session of its own: torch names its PrivateUse1
+backend once per process, so a process simulates one flavour (Note [simulated device type])."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).parent
+# The tests whose subject is the device: stepping and its failures, streams and races, memory, offload,
+# checkpoints. The rest (CLI, integrations, benchmarks) do not depend on the flavour.
+DEVICE_DEPENDENT = (
+    "test_parity.py",
+    "test_failure.py",
+    "test_sim_corpus.py",
+    "test_sim_sanitizer.py",
+    "test_offload.py",
+    "test_overlap.py",
+    "test_checkpoint.py",
+    "test_swap_memory.py",
+)
+
+
+@pytest.mark.slow
+def test_device_dependent_tests_pass_under_the_npu_flavour() -> None:
+    env = {**os.environ, "SWAPOPT_SIM_PRESET": "910b"}
+    env.pop("SWAPOPT_DEVICE", None)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS.parent), env.get("PYTHONPATH")]))
+    files = [str(TESTS / name) for name in DEVICE_DEPENDENT]
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-x", *files],
+        env=env, capture_output=True, text=True, timeout=900, cwd=TESTS.parent,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
+    assert "simulated device: npu flavour" in run.stdout  # conftest's report header: the session's flavour
+    assert " passed" in run.stdout
