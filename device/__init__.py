@@ -144,17 +144,12 @@ def _simulator() -> sim.SimDevice | None:
     return sim.active() if requested == "auto" else None
 
 
-def _sim_for(device: str) -> sim.SimDevice | None:
-    return _simulator()
-
-
 def pinned_empty(size: Any, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Uninitialized host memory for async copies: pinned on cuda/npu, registered host memory on the simulator."""
-    device = get_device()
-    simulated = _sim_for(device)
+    simulated = _simulator()
     if simulated is not None:
         return simulated.pinned_empty(size, dtype)
-    return torch.empty(size, dtype=dtype, device="cpu", pin_memory=device in ("cuda", "npu"))
+    return torch.empty(size, dtype=dtype, device="cpu", pin_memory=get_device() in ("cuda", "npu"))
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -170,22 +165,18 @@ def _memory_of(t: torch.Tensor) -> torch.Tensor:
 
 def is_host_tensor(t: torch.Tensor) -> bool:
     """Whether t (or a DTensor's local shard) is host memory on the current device."""
-    device = get_device()
     t = _local(t)
-    simulated = _sim_for(device)
+    simulated = _simulator()
     if simulated is not None:
         return t.device.type == "cpu" if simulated.typed else simulated.is_host(t)
-    if device == "cpu":
-        return True
-    return t.device.type == "cpu"
+    return t.device.type == "cpu" or get_device() == "cpu"
 
 
 def free_storage(t: torch.Tensor) -> None:
     """Give t's memory back to the allocator but keep the tensor object, and every view made of it, for
     ``alloc_storage`` to give memory again (FSDP frees its unsharded params this way). Call
     record_stream first for streams other than the allocating one that used the memory."""
-    device = get_device()
-    simulated = _sim_for(device)
+    simulated = _simulator()
     if simulated is not None:
         simulated.free_storage(t)
     else:
@@ -195,8 +186,7 @@ def free_storage(t: torch.Tensor) -> None:
 def alloc_storage(t: torch.Tensor, nbytes: int) -> None:
     """Memory again for a tensor freed by ``free_storage``, from the allocator of the current stream;
     the views made of t before it was freed see the new memory (its contents are undefined)."""
-    device = get_device()
-    simulated = _sim_for(device)
+    simulated = _simulator()
     if simulated is not None:
         simulated.alloc_storage(t, nbytes)
     else:
@@ -212,9 +202,8 @@ def labels_ranges() -> bool:
 
 def record_stream(t: torch.Tensor, stream: Any) -> None:
     """Mark t as used by `stream`, so freeing it waits for that stream's queued work."""
-    device = get_device()
-    simulated = _sim_for(device)
+    simulated = _simulator()
     if simulated is not None:
         simulated.record_stream(t, stream)
-    elif device != "cpu":
+    elif get_device() != "cpu":
         _local(t).record_stream(stream)

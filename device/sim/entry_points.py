@@ -140,6 +140,15 @@ def _routed(sim: Any, target: Any) -> Any:
     return target
 
 
+def _routed_to_args(sim: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """`.to(...)` arguments of a tensor or module with a "cuda" device routed (see _routed)."""
+    if args:
+        args = (_routed(sim, args[0]), *args[1:])
+    if "device" in kwargs:
+        kwargs = {**kwargs, "device": _routed(sim, kwargs["device"])}
+    return args, kwargs
+
+
 def _to_sim(sim: Any, t: torch.Tensor) -> torch.Tensor:
     """`.cuda()`: device memory stays, host memory is copied to a device tensor."""
     return sim._device_copy(t) if sim.is_host(t) else t
@@ -164,10 +173,7 @@ def _tensor_to(original):
     def to(self, *args, **kwargs):
         sim = _sim()
         if _routes_cuda(sim):
-            if args:
-                args = (_routed(sim, args[0]), *args[1:])
-            if "device" in kwargs:
-                kwargs = {**kwargs, "device": _routed(sim, kwargs["device"])}
+            args, kwargs = _routed_to_args(sim, args, kwargs)
             return original(self, *args, **kwargs)
         if sim is None or sim.typed:
             return original(self, *args, **kwargs)
@@ -201,10 +207,7 @@ def _module_to(original):
     def to(self, *args, **kwargs):
         sim = _sim()
         if _routes_cuda(sim):
-            if args:
-                args = (_routed(sim, args[0]), *args[1:])
-            if "device" in kwargs:
-                kwargs = {**kwargs, "device": _routed(sim, kwargs["device"])}
+            args, kwargs = _routed_to_args(sim, args, kwargs)
             return original(self, *args, **kwargs)
         if sim is not None and not sim.typed and ((args and _is_cuda(args[0])) or _is_cuda(kwargs.get("device"))):
             args = args[1:] if args and _is_cuda(args[0]) else args
