@@ -12,6 +12,7 @@ import importlib
 import importlib.util
 import os
 import sys
+import weakref
 from typing import Any
 
 import torch
@@ -37,6 +38,8 @@ __all__ = [
     "is_host_tensor",
     "is_simulated",
     "labels_ranges",
+    "npu_pinned_bytes",
+    "pinned_bytes",
     "pinned_empty",
     "record_stream",
     "sim",
@@ -52,15 +55,59 @@ def _torch_npu_installed() -> bool:
     return importlib.util.find_spec("torch_npu") is not None
 
 
+# The NPU probe's answer, per process (a forked worker probes again), kept while what it was asked of stays
+# the same: the active simulator (whose torch.npu answers for it while it is active), the torch_npu module
+# and torch.npu. Without it every get_device() call, several per param per step, would try the torch_npu
+# import and ask torch.npu.is_available(), which asks the driver (torch_npu/npu/__init__.py device_count()).
+# The simulator is held weakly: the cache must not keep a finished one alive.
+_NPU_PROBE: dict[int, tuple[tuple[Any, ...], bool]] = {}
+
+
 def _npu_available() -> bool:
+    simulated = sim.active()
+    asked = (sys.modules.get("torch_npu"), getattr(torch, "npu", None))
+    cached = _NPU_PROBE.get(os.getpid())
+    if cached is not None:
+        ref, *objects = cached[0]
+        same_sim = ref is None if simulated is None else ref is not None and ref() is simulated
+        if same_sim and all(a is b for a, b in zip(objects, asked)):
+            return cached[1]
+    answer = _probe_npu()
+    # What the probe saw after it ran (the import puts torch_npu in sys.modules and registers torch.npu).
+    asked = (sys.modules.get("torch_npu"), getattr(torch, "npu", None))
+    _NPU_PROBE.clear()
+    _NPU_PROBE[os.getpid()] = ((None if simulated is None else weakref.ref(simulated), *asked), answer)
+    return answer
+
+
+def _probe_npu() -> bool:
     if "torch_npu" not in sys.modules and not _torch_npu_installed():
         return False
     try:
-        importlib.import_module("torch_npu")
+        torch_npu = importlib.import_module("torch_npu")
     except Exception:  # torch_npu present but CANN missing or broken
         return False
+    check_torch_npu_version(torch_npu)
     npu = getattr(torch, "npu", None)
     return npu is not None and bool(npu.is_available())
+
+
+def _release(version: str) -> tuple[str, ...]:
+    return tuple(version.split("+")[0].split(".")[:3])
+
+
+def check_torch_npu_version(torch_npu: Any) -> None:
+    """Warn when torch_npu was built for another torch: torch_npu X.Y.Z (X.Y.Z.postN) is built against torch
+    X.Y.Z only, and a mismatch fails in obscure ways (missing ops, ABI errors) well after import."""
+    version = str(getattr(torch_npu, "__version__", ""))
+    if version and _release(version) != _release(torch.__version__):
+        import warnings
+
+        warnings.warn(
+            f"torch_npu {version} is built for torch {'.'.join(_release(version))}, but torch {torch.__version__} is "
+            "installed: install the torch_npu release matching torch (docs/npu.md)",
+            stacklevel=2,
+        )
 
 
 def _requested() -> str:
@@ -150,6 +197,27 @@ def pinned_empty(size: Any, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     if simulated is not None:
         return simulated.pinned_empty(size, dtype)
     return torch.empty(size, dtype=dtype, device="cpu", pin_memory=get_device() in ("cuda", "npu"))
+
+
+def npu_pinned_bytes(nbytes: int, conf: str | None = None) -> int:
+    """Host bytes torch_npu's pinned host allocator takes for a request of ``nbytes``. By default it rounds up
+    to a power of two (v2.6.0 csrc/core/npu/CachingHostAllocator.cpp:138 ``PowerOf2Ceil``; v2.7.1 keeps
+    upstream's CachingHostAllocatorImpl, which rounds the same way), so a pinned buffer just over a power of
+    two takes almost twice its size. ``PYTORCH_NPU_ALLOC_CONF=pin_memory_expandable_segments:True``
+    (``conf``; the environment when None) selects the expandable host allocator, which rounds
+    ``nbytes + 32`` up to 512 bytes instead (v2.7.1 CachingHostAllocator.cpp:947-955)."""
+    if nbytes <= 0:
+        return 0
+    conf = os.environ.get("PYTORCH_NPU_ALLOC_CONF", "") if conf is None else conf
+    if "pin_memory_expandable_segments:true" in conf.replace(" ", "").lower():
+        return max(512, -(-(nbytes + 32) // 512) * 512)
+    return 1 << (nbytes - 1).bit_length()
+
+
+def pinned_bytes(nbytes: int) -> int:
+    """Host memory a pinned allocation of ``nbytes`` takes on this device (npu_pinned_bytes on NPU, the
+    simulated npu flavour included; the request itself elsewhere)."""
+    return npu_pinned_bytes(nbytes) if get_device() == "npu" else max(int(nbytes), 0)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -93,6 +93,15 @@ class Arenas:
         own = raw.view(loc.dtype).as_strided(tuple(loc.shape), tuple(loc.stride()))
         return hoststate.wrap_like(value, own) if hoststate.is_dtensor(value) else own
 
+    def nbytes(self) -> int:
+        """Bytes the arenas asked the pinned host allocator for."""
+        return sum(b.nbytes for b in self._bases.values())
+
+    def pinned_bytes(self) -> int:
+        """Host bytes the arenas take: torch_npu's default host allocator rounds each allocation up to a
+        power of two (device.npu_pinned_bytes), so on NPU this can be nearly twice ``nbytes()``."""
+        return sum(device.pinned_bytes(b.nbytes) for b in self._bases.values())
+
     def prune(self, hosts: Sequence[torch.Tensor]) -> None:
         """Forget the arenas none of ``hosts`` (the host-local states in use) lies in."""
         live = {t.untyped_storage().data_ptr() for t in hosts}

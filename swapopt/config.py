@@ -6,7 +6,7 @@ import warnings
 from typing import Optional
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class SwapConfig(BaseModel):
@@ -41,6 +41,14 @@ class SwapConfig(BaseModel):
     per_param: bool = False
     overlap_forward: bool = False
     prefetch: bool = False
+
+    @field_validator("swap_optimizer_times", "slots", mode="before")
+    @classmethod
+    def _no_bool_counts(cls, value: object) -> object:
+        # pydantic turns True into 1: `swap_optimizer_times: true` (meant as the switch) would mean one chunk.
+        if isinstance(value, bool):
+            raise ValueError("a count, not a switch: give an int >= 1 (swap_optimizer is the on/off switch)")
+        return value
 
     def wrap(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Return ``optimizer`` wrapped in a SwapOptimizer, or unchanged when swapping is off."""

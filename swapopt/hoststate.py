@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import sys
 from typing import Any
 
 import torch
@@ -13,10 +14,6 @@ from swapopt import internals
 from swapopt.internals import raw_step  # noqa: F401 - re-exported: statespec and probes step raw
 from swapopt.perparam import TORCH_ELEMENTWISE
 
-try:  # torch.distributed may be absent on some builds
-    from torch.distributed.tensor import DTensor
-except Exception:  # pragma: no cover - builds without distributed
-    DTensor = None  # type: ignore[assignment,misc]
 
 # torch's optimizers whose every non-scalar state has the param's shape and whose update of an element
 # reads only that element: one param may be split across chunks and stepped as flat pieces (the list
@@ -32,7 +29,11 @@ SCALAR_KEYS = frozenset({"step", "mu_product", "eta", "mu"})
 
 
 def is_dtensor(t: Any) -> bool:
-    return DTensor is not None and isinstance(t, DTensor)
+    # No DTensor exists before torch.distributed.tensor is imported, and importing it costs most of a
+    # second (its op registrations): look it up instead of importing it with swapopt.
+    module = sys.modules.get("torch.distributed.tensor")
+    dtensor = getattr(module, "DTensor", None)
+    return dtensor is not None and isinstance(t, dtensor)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:

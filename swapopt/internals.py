@@ -8,6 +8,7 @@ breaks here, with the reason next to it, instead of somewhere in the pipeline.
 
 from __future__ import annotations
 
+import sys
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
@@ -86,6 +87,57 @@ def lend_amp_attributes(wrapper: Any, inner: torch.optim.Optimizer) -> Iterator[
             delattr(inner, k)
 
 
+# Note [grad_scaler kwarg]: torch_npu's GradScaler steps an optimizer that claims
+# ``_step_supports_amp_scaling`` as ``optimizer.step(..., grad_scaler=self)`` and neither unscales nor
+# checks for infs itself (torch_npu/npu/amp/grad_scaler.py:375-382). Upstream torch, given that kwarg,
+# leaves the same work to the optimizer. The optimizer then does what upstream's scaler does for a fused
+# optimizer (torch/amp/grad_scaler.py, GradScaler.step): check the grads for infs through the scaler's
+# private per-optimizer state (``_per_optimizer_states``, ``_check_inf_per_device``, ``_get_scale_async``)
+# and hand ``grad_scale``/``found_inf`` to the kernel; or, for a kernel that ignores them, unscale in
+# Python and skip the step on an inf, as the scaler's own ``_maybe_opt_step`` would.
+@contextmanager
+def scaler_attributes(opt: Any, scaler: Any) -> Iterator[None]:
+    """``opt.grad_scale``/``opt.found_inf`` as ``scaler`` would set them for a fused step, for the block
+    (Note [grad_scaler kwarg])."""
+    from torch.amp.grad_scaler import OptState
+
+    state = scaler._per_optimizer_states[id(opt)]
+    if state["stage"] is OptState.READY:
+        scaler._check_inf_per_device(opt)
+    scale = scaler._get_scale_async()
+    found = state["found_inf_per_device"].values()
+    opt.found_inf = sum(t.to(scale.device, non_blocking=True) for t in found)
+    # As upstream: the product with a grad_scale the caller set already, none when the grads are unscaled.
+    if state["stage"] is OptState.UNSCALED:
+        opt.grad_scale = getattr(opt, "grad_scale", None)
+    else:
+        opt.grad_scale = scale * getattr(opt, "grad_scale", 1)
+    try:
+        yield
+    finally:
+        del opt.grad_scale
+        del opt.found_inf
+
+
+def scaler_unscale_found_inf(opt: Any, scaler: Any) -> bool:
+    """Unscale ``opt``'s grads through ``scaler`` (unless done already) and say whether any holds an inf or
+    NaN, reading the flags on the host as the scaler's ``_maybe_opt_step`` does (Note [grad_scaler kwarg])."""
+    from torch.amp.grad_scaler import OptState
+
+    state = scaler._per_optimizer_states[id(opt)]
+    if state["stage"] is OptState.READY:
+        scaler.unscale_(opt)
+    return bool(sum(v.item() for v in state["found_inf_per_device"].values()))
+
+
+# torch_npu narrows the devices whose foreach kernels torch.optim defaults to by replacing this private
+# function (torch_npu/utils/_optim.py in v2.6.0/v2.7.1): "npu" is listed only on Ascend 910B/910_9x with
+# CANN >= 8.0. It is the one place that says whether foreach=None means foreach on this machine.
+def foreach_devices() -> list[str]:
+    """The device types torch.optim's foreach=None default takes foreach kernels on."""
+    return list(sys.modules["torch.optim.optimizer"]._get_foreach_kernels_supported_devices())
+
+
 @contextmanager
 def stepping_subset(inner: torch.optim.Optimizer, groups: list[dict], state: Any) -> Iterator[None]:
     """The inner optimizer sees ``groups`` (copies of its param groups over a chunk's pieces) and
@@ -136,3 +188,24 @@ def foreach_snapshot(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 
 def foreach_restore(own: list[torch.Tensor], old: list[torch.Tensor]) -> None:
     torch._foreach_copy_(own, old)
+
+
+# Note [op counting]: the main job's start-up estimate counts the aten ops of one step on the meta device
+# (swapopt.engine.preflight), because on a CPU-backed device a small model's step costs its op count
+# times the host cost of an op far more than its FLOPs. torch's only hook that sees every aten op is a
+# dispatch mode, and TorchDispatchMode lives in the private torch.utils._python_dispatch.
+@contextmanager
+def counting_ops() -> Iterator[list[int]]:
+    """``with counting_ops() as n:`` counts the aten ops dispatched in the block into ``n[0]``
+    (Note [op counting])."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    count = [0]
+
+    class _Counter(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            count[0] += 1
+            return func(*args, **(kwargs or {}))
+
+    with _Counter():
+        yield count

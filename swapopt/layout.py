@@ -9,6 +9,7 @@ which params stay resident, and which may be split across chunks.
 from __future__ import annotations
 
 import operator
+import warnings
 import weakref
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
@@ -225,10 +226,14 @@ class HostLayout:
             if not device.is_host_tensor(value) or not hoststate.is_dense(local(value)):
                 if not quiet and not device.is_host_tensor(value) and "rehome" not in self.opt._warned:
                     self.opt._warned.add("rehome")
-                    logger.warning(
-                        "swapopt: optimizer state {!r} was found in device memory (moved there behind the "
-                        "optimizer's back?); copying it back into pinned host memory",
-                        key,
+                    warnings.warn(
+                        f"swapopt: optimizer state {key!r} was found in device memory, moved there behind the "
+                        "optimizer's back (an 'optimizer to device' helper, such as Lightning's default "
+                        "strategies on resume); it is copied back into pinned host memory, but held device "
+                        "memory until now. With Lightning use swapopt.integrations.lightning's "
+                        "SwapSingleDeviceStrategy / SwapDDPStrategy; elsewhere, do not move a SwapOptimizer's "
+                        "states (swapopt.put_optimizer_to_device keeps swapped states on the host)",
+                        stacklevel=2,
                     )
                 src = local(value)
                 home = previous.get(key)  # the pinned tensor it came from, when it still fits

@@ -22,9 +22,10 @@ from swapopt.hoststate import is_swapped_state, local, wrap_like
 from swapopt.optimizer import SwapOptimizer
 
 
-def offload(opt: torch.optim.Optimizer, empty_cache: bool = False) -> None:
-    """Free the device memory the optimizer holds between steps; ``empty_cache`` also returns the
-    allocator's cached blocks to the device. Idempotent; safe before the first step and after a failed one."""
+def offload(opt: torch.optim.Optimizer, empty_cache: bool = True) -> None:
+    """Free the device memory the optimizer holds between steps; ``empty_cache`` (default, as for
+    :func:`offloaded`) also returns the allocator's cached blocks to the device, so the other phase can
+    have them. Idempotent; safe before the first step and after a failed one."""
     if isinstance(opt, SwapOptimizer):
         opt.wait_for_update()  # the other phase reads the params (overlap_forward: an update may be pending)
         opt.wait_for_swap_out()  # in-flight D2H copies still read the staging buffers

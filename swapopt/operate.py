@@ -314,7 +314,8 @@ class SwapOptimizerOperate:
         for event in pf.h2d_events.values():
             event.synchronize()
         for t in pf.staging:
-            device.record_stream(t, self.h2d_stream)
+            for stream in _others([self.h2d_stream], pf.stream):
+                device.record_stream(t, stream)
         self._free_slots(pf.staging)
         pf.staging.clear()
         pf.payload = None
@@ -399,12 +400,13 @@ class SwapOptimizerOperate:
         users = [d2h]
         if self._staging_stream is not None or self.overlap:
             users.append(self.h2d_stream)
-        if self._staging_stream is not None and self._compute is not self._staging_stream:
+        if self._staging_stream is not None:
             users.append(self._compute)
         if self.overlap:
             users.append(self.update_stream)
+        allocating = self._staging_stream if self._staging_stream is not None else self._compute
         for t in self._staging:
-            for stream in users:
+            for stream in _others(users, allocating):
                 device.record_stream(t, stream)
         for held in self._held:
             for t in held:
@@ -475,3 +477,12 @@ class SwapOptimizerOperate:
 
     def swap_out_event(self, p: torch.Tensor) -> Any:
         return self._swap_out.get(p)
+
+
+def _others(streams: list[Any], allocating: Any) -> list[Any]:
+    """``streams`` less the allocating stream, compared by equality: torch_npu's ``current_stream()`` is
+    a new Python object on every call (torch_npu/npu/utils.py:260-287), so ``is`` never matches; and NPU's
+    recordStream, unlike CUDA's, does not skip the allocating stream (NPUCachingAllocator.cpp,
+    DeviceCachingAllocator::recordStream), so recording it would hold the block until that stream's later
+    work is done."""
+    return [s for s in streams if s != allocating]

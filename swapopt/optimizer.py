@@ -22,7 +22,7 @@ from loguru import logger
 from pydantic import BaseModel
 
 import device
-from swapopt import checkpoint, copying, internals, perparam, pipeline
+from swapopt import checkpoint, copying, internals, npu, perparam, pipeline
 from swapopt.hoststate import local
 from swapopt.layout import MiB, HostLayout
 from swapopt.operate import SwapOptimizerOperate
@@ -40,6 +40,10 @@ class SwapStats(BaseModel):
     steps: int = 0
     failed: bool = False  # the last step raised; the counters are those of the last successful step
     last_error: str | None = None
+    # Pinned host memory of the state arenas now: asked for, and taken (torch_npu rounds each allocation up
+    # to a power of two unless PYTORCH_NPU_ALLOC_CONF=pin_memory_expandable_segments:True; swapopt.npu).
+    pinned_requested_bytes: int = 0
+    pinned_bytes: int = 0
 
 
 def _refuse(optimizer: Any, per_param: bool) -> None:
@@ -65,7 +69,7 @@ def _refuse(optimizer: Any, per_param: bool) -> None:
     if cls.__module__.split(".")[0] == "torch_npu" and "Fused" in cls.__name__:
         raise ValueError(
             f"{cls.__name__} keeps params, grads and states in one flat fused buffer, which cannot be "
-            "streamed in chunks; use torch.optim.AdamW(..., foreach=True) (or fused=True) under SwapOptimizer"
+            "streamed in chunks; use torch.optim.AdamW(..., foreach=True) under SwapOptimizer"
         )
     for i, group in enumerate(optimizer.param_groups):
         if group.get("differentiable", False):
@@ -98,6 +102,24 @@ def _refuse(optimizer: Any, per_param: bool) -> None:
             "swapopt.register_per_param(cls); otherwise run it unwrapped"
         )
 
+
+
+# The live wrapper of each inner optimizer: two wrappers of one optimizer would each stream its states
+# through the device on their own streams, one reading host states the other is still writing back.
+_WRAPPERS: weakref.WeakKeyDictionary[torch.optim.Optimizer, weakref.ref] = weakref.WeakKeyDictionary()
+
+
+def _claim(optimizer: torch.optim.Optimizer, wrapper: "SwapOptimizer") -> None:
+    """Make ``wrapper`` the one SwapOptimizer of ``optimizer``, refusing a second one while the first lives."""
+    ref = _WRAPPERS.get(optimizer)
+    first = ref() if ref is not None else None
+    if first is not None and first is not wrapper:
+        raise ValueError(
+            f"this {type(optimizer).__name__} is already wrapped by another SwapOptimizer (id {id(first):#x}); "
+            "two wrappers of one optimizer would both swap its states and race on them. Step the first "
+            "wrapper, or drop it (del) before wrapping the optimizer again"
+        )
+    _WRAPPERS[optimizer] = weakref.ref(wrapper)
 
 
 class SwapOptimizer(torch.optim.Optimizer):
@@ -142,9 +164,10 @@ class SwapOptimizer(torch.optim.Optimizer):
         prefetch: bool = False,
     ) -> None:
         _refuse(optimizer, per_param)
-        if not isinstance(swap_optimizer_times, int) or swap_optimizer_times < 1:
+        # bool is an int to isinstance: swap_optimizer_times=True would quietly mean one chunk.
+        if isinstance(swap_optimizer_times, bool) or not isinstance(swap_optimizer_times, int) or swap_optimizer_times < 1:
             raise ValueError(f"swap_optimizer_times must be an int >= 1, got {swap_optimizer_times!r}")
-        if not isinstance(slots, int) or slots < 1:
+        if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
             raise ValueError(f"slots must be an int >= 1, got {slots!r}")
         if chunk_mb is not None and not (chunk_mb > 0 and math.isfinite(chunk_mb)):
             raise ValueError(f"chunk_mb must be a positive number of MiB or None, got {chunk_mb!r}")
@@ -170,14 +193,21 @@ class SwapOptimizer(torch.optim.Optimizer):
         self._layout = HostLayout(self)  # host states, arenas and the plan (swapopt.layout)
         self._stats = SwapStats()
         self._warned: set[str] = set()
+        _claim(optimizer, self)
         self._ready = True
         self._device = device.get_device()
         if self._device != "cpu":
             self._layout.adopt_existing()
+        if self._device == "npu":  # fused kernels torch_npu lacks, foreach off on older chips (swapopt.npu)
+            npu.check_optimizer(optimizer)
 
     # ----- torch.optim.Optimizer surface -------------------------------------------------------
     @property
     def _step_supports_amp_scaling(self) -> bool:  # GradScaler's private flag (swapopt.internals)
+        # On NPU, fused AdamW's kernel ignores grad_scale/found_inf (swapopt.npu): say no, so that the scaler
+        # unscales the grads and skips inf steps itself.
+        if device.get_device() == "npu" and npu.ignores_amp_scaling(self.optimizer):
+            return False
         return internals.supports_amp_scaling(self.optimizer)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -187,6 +217,15 @@ class SwapOptimizer(torch.optim.Optimizer):
         self.operate.discard_prefetch()  # made for the old plan
         self.optimizer.add_param_group(param_group)
         self._layout.prepared = None
+        if self.operate.overlap and self._forward_waits.attached:
+            unowned = self._forward_waits.unattached(self.optimizer.param_groups[-1]["params"])
+            if unowned:
+                warnings.warn(
+                    f"swapopt: {unowned} param(s) of the new group belong to no model passed to attach(): with "
+                    "overlap_forward, no forward waits for their update. Call opt.attach(module) with the "
+                    "module that owns them",
+                    stacklevel=2,
+                )
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if not set_to_none:  # zeroed in place: the update must be done reading them
@@ -219,13 +258,18 @@ class SwapOptimizer(torch.optim.Optimizer):
         self.state = self.optimizer.state
         self.invalidate()
 
-    def offload(self, empty_cache: bool = False) -> None:
+    def offload(self, empty_cache: bool = True) -> None:
+        """Free the device memory this optimizer holds between steps (staging buffers, resident states, device
+        step scalars), for another engine's phase (an RL rollout); ``empty_cache`` also returns the
+        allocator's cached blocks to the device. See swapopt.offload."""
         # swapopt.offload (the package attribute) is the function, not the module: import from the module.
         from swapopt.offload import offload
 
         offload(self, empty_cache=empty_cache)
 
     def onload(self) -> None:
+        """Undo offload(): device step scalars move back; swapped states stay on the host and the next step
+        streams them in (resident ones become resident again)."""
         from swapopt.offload import onload
 
         onload(self)
@@ -287,7 +331,10 @@ class SwapOptimizer(torch.optim.Optimizer):
         comes after its last update); ``wait=False`` leaves it None and never waits: read it later from
         ``operate.last_step_events()``. With a prefetch the step's first swap-ins ran before its entry, so
         they are counted in ``h2d_bytes`` (once) but not timed in ``step_ms``."""
-        stats = self._stats.model_copy()
+        arenas = self._layout.arenas
+        stats = self._stats.model_copy(
+            update={"pinned_requested_bytes": arenas.nbytes(), "pinned_bytes": arenas.pinned_bytes()}
+        )
         if stats.steps and wait:
             stats.step_ms = self.operate.step_ms()
         return stats
@@ -295,17 +342,33 @@ class SwapOptimizer(torch.optim.Optimizer):
     # ----- step --------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
+        # torch_npu's GradScaler passes itself to an optimizer that claims AMP support and leaves the
+        # unscale and the inf check to it (Note [grad_scaler kwarg] in swapopt.internals).
+        scaler = kwargs.pop("grad_scaler", None)
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         try:
+            if scaler is not None:
+                return self._scaled_step(scaler, loss, kwargs)
             return self._step(loss, kwargs)
         except BaseException:
             # Note [failure semantics]: a prefetch is only a device copy of host states; the next step
             # swaps in afresh from the host states this one left.
             self.operate.discard_prefetch()
             raise
+
+    def _scaled_step(self, scaler: Any, loss: Any, kwargs: dict[str, Any]) -> Any:
+        """step() given ``grad_scaler``: the inner kernel unscales and skips on inf where it can (GradScaler's
+        grad_scale/found_inf); where it cannot (swapopt.npu), the grads are unscaled here and an inf step is
+        skipped, leaving params and states as they were."""
+        if self._step_supports_amp_scaling:
+            with internals.scaler_attributes(self, scaler):
+                return self._step(loss, kwargs)
+        if internals.scaler_unscale_found_inf(self, scaler):
+            return None
+        return self._step(loss, kwargs)
 
     def _step(self, loss: Any, kwargs: dict[str, Any]) -> Any:
         inner = self.optimizer
@@ -350,7 +413,13 @@ class SwapOptimizer(torch.optim.Optimizer):
         if in_place:
             if "host" not in self._warned:
                 self._warned.add("host")
-                logger.info("swapopt: params outside device memory are stepped in place, without swapping")
+                n = sum(len(ps) for ps in in_place.values())
+                warnings.warn(
+                    f"swapopt: {n} param(s) are in host memory, not on the {self._device} device, so their states "
+                    "are stepped in place and not swapped (swap_stats() counts only swapped steps). Move the "
+                    "model to the device (model.to(device.torch_device())) before building the optimizer",
+                    stacklevel=6,  # past _swap_step, _step, step and torch's two step wrappers: the caller of step()
+                )
             chunk_state = pipeline.real_states(self, [p for ps in in_place.values() for p in ps])
             pipeline.run_inner(self, dict(in_place), chunk_state, kwargs)
             pipeline.keep_new_states(self, chunk_state)
@@ -381,10 +450,13 @@ class SwapOptimizer(torch.optim.Optimizer):
         self._stats = SwapStats(
             h2d_bytes=run.h2d, d2h_bytes=run.d2h, chunks=n, peak_staging_bytes=op.peak_staging_bytes, steps=st.steps + 1
         )
-        (logger.info if first else logger.debug)(
-            "swapopt step {}: {} chunks, H2D {:.1f} MiB, D2H {:.1f} MiB, staging {:.1f} MiB, {} resident params",
-            st.steps + 1, n, run.h2d / MiB, run.d2h / MiB, op.peak_staging_bytes / MiB, len(prep.resident),
-        )  # fmt: skip
+        if first:  # the shape of the swap, once; swap_stats() has every step's counters
+            if self._device == "npu":
+                npu.check_pinned(layout.arenas.nbytes(), layout.arenas.pinned_bytes())
+            logger.info(
+                "swapopt step 1: {} chunks, H2D {:.1f} MiB, D2H {:.1f} MiB, staging {:.1f} MiB, {} resident params",
+                n, run.h2d / MiB, run.d2h / MiB, op.peak_staging_bytes / MiB, len(prep.resident),
+            )  # fmt: skip
 
     def _snapshot_hyper(self, groups: Iterable[int]) -> None:
         """Step-time copies of the tensor hyperparameters (lr tensors, tensor betas) of the given groups,

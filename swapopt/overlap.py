@@ -65,6 +65,10 @@ class ForwardWaits:
         self._order_cache: tuple | None = None  # (params list, len(_rank), result) of the last order()
         self._roots: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()  # after_forward hooks
 
+    def unattached(self, params: Iterable[torch.Tensor]) -> int:
+        """How many of ``params`` belong to no attached model (as of its attach)."""
+        return sum(1 for p in params if p not in self._rank)
+
     def attach(self, model: nn.Module, after_forward: Callable[[nn.Module, Any, Any], None] | None = None) -> None:
         """Hook every module of ``model``; ``after_forward``: also a forward hook on ``model`` itself
         (once per model)."""
@@ -154,7 +158,7 @@ class ForwardWaits:
             current = operate.mod.current_stream()
             # FSDP's copy-in stream is a stream of this device only on a real accelerator; elsewhere
             # (the simulator, CPU) FSDP's collectives run on the current stream.
-            if copy_in is not None and isinstance(copy_in, type(current)) and copy_in is not current:
+            if copy_in is not None and isinstance(copy_in, type(current)) and copy_in != current:
                 for event in _unique(events):
                     copy_in.wait_event(event)
             operate.wait_for_update(params, stream=current)

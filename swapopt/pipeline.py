@@ -25,6 +25,7 @@ reached, which the failure path (swapopt.recovery, Note [failure semantics]) rea
 
 from __future__ import annotations
 
+import warnings
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Iterable
@@ -643,4 +644,24 @@ def prefetch(opt: Any, prep: Prepared) -> bool:
     except BaseException:
         op.discard_prefetch()  # only device copies of host states: dropping them loses nothing
         raise
+    _warn_if_prefetch_holds_most(opt, prep, ahead)
     return True
+
+
+# A prefetch keeps its chunks' states on the device from the forward to the step: past this share of the
+# swapped states, it keeps most of what swapping was meant to take off the device through the backward.
+PREFETCH_SHARE_WARNING = 1 / 3
+
+
+def _warn_if_prefetch_holds_most(opt: Any, prep: Prepared, ahead: int) -> None:
+    total = prep.plan.total_bytes
+    held = sum(c.nbytes for c in prep.plan.chunks[:ahead])
+    if "prefetch-share" in opt._warned or not total or held / total <= PREFETCH_SHARE_WARNING:
+        return
+    opt._warned.add("prefetch-share")
+    warnings.warn(
+        f"swapopt: prefetch holds {held / total:.0%} of the swapped states on the device through the backward "
+        f"({ahead} of {len(prep.plan.chunks)} chunks); raise swap_optimizer_times (or lower chunk_mb) so that "
+        f"the {ahead} chunk(s) it swaps in ahead are a small share, or turn prefetch off",
+        stacklevel=2,
+    )

@@ -375,7 +375,7 @@ def _preflight(cfg: EngineConfig, out: Console) -> tuple[DevicePlan, int | None]
     if plan.kind in ("sim", "plain-cpu") and not finished:  # device memory is host memory here
         n_params = count_params(cfg)
         if n_params is not None:
-            est = estimate(cfg, n_params, local_world_size())
+            est = estimate(cfg, n_params, local_world_size(), plan)
             check_fits(cfg, est)
             out.print(describe(est))
             hint = slow_hint(est)

@@ -4,13 +4,24 @@ and the library's logging quieted after a CLI run."""
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Iterator
 
 import pytest
+import torch
 import torch.distributed as dist
 from loguru import logger
 
 import simdevice as simulator
+
+# Under pytest-xdist (pyproject's addopts) each worker gets its share of the cores for torch's intra-op
+# threads, and so do the processes its tests start (CLI runs, torchrun ranks): workers that each spread
+# over every core only contend with one another.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    _THREADS = max(1, (os.cpu_count() or 1) // _WORKERS)
+    torch.set_num_threads(_THREADS)
+    os.environ.setdefault("OMP_NUM_THREADS", str(_THREADS))
 
 
 @pytest.fixture
@@ -54,6 +65,41 @@ def sim_no_launch(clean_device_env: pytest.MonkeyPatch) -> Iterator[simulator.Si
 
 
 @pytest.fixture(autouse=True)
+def _process_wide_torch_state() -> Iterator[None]:
+    """Each test leaves torch's process-wide settings as it found them, so that no test passes or fails
+    because of the ones that ran before it (the suite runs in random order): Lightning's deterministic=True
+    turns on deterministic algorithms, importing torch.testing._internal freezes torch.backends flags."""
+    frozen = torch.backends.flags_frozen()
+    cudnn = (torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic)
+    environ = dict(os.environ)  # Lightning's deterministic=True also sets CUBLAS_WORKSPACE_CONFIG
+    deterministic = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    dtype, default_device, grad = torch.get_default_dtype(), torch.get_default_device(), torch.is_grad_enabled()
+    yield
+    if (torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic) != cudnn:
+        torch.backends.flags_frozen.__globals__["__allow_nonbracketed_mutation_flag"] = True  # frozen: reset below
+        torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = cudnn
+    for key in set(os.environ) - set(environ):
+        del os.environ[key]
+    os.environ.update({k: v for k, v in environ.items() if os.environ.get(k) != v})
+    if torch.backends.flags_frozen() != frozen:
+        torch.backends.flags_frozen.__globals__["__allow_nonbracketed_mutation_flag"] = not frozen
+    if (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()) != deterministic:
+        torch.use_deterministic_algorithms(deterministic[0], warn_only=deterministic[1])
+    if torch.get_default_dtype() != dtype:
+        torch.set_default_dtype(dtype)
+    if torch.get_default_device() != default_device:
+        torch.set_default_device(None if default_device.type == "cpu" else default_device)
+    torch.set_grad_enabled(grad)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Importing torch.testing._internal (optim_db) at collection freezes torch.backends flags for the whole
+    process, as torch's own suite wants; tests here set them (Lightning sets cudnn.benchmark), so whatever
+    modules were collected, the tests start with them settable."""
+    torch.backends.flags_frozen.__globals__["__allow_nonbracketed_mutation_flag"] = True
+
+
+@pytest.fixture(autouse=True)
 def _process_simulator_races() -> Iterator[None]:
     """Under SWAPOPT_DEVICE=sim the process-wide simulator never exits: a race it found when a tensor was
     freed (not yet raised at a synchronize) fails the test that left it."""
@@ -66,3 +112,11 @@ def pytest_report_header(config: pytest.Config) -> str:
     """Which flavour this session simulates (SWAPOPT_SIM_PRESET; one per process)."""
     flavour = simulator.registered_flavour() or simulator.process_flavour() or "cuda"
     return f"simulated device: {flavour} flavour (device type {simulator.backend_name(flavour)})"
+
+
+def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
+    """The random order's seed, also under -q (which hides the header pytest-randomly writes it in), so a
+    failure that depends on the order can be rerun in that order."""
+    seed = getattr(config.option, "randomly_seed", None)
+    if config.pluginmanager.has_plugin("randomly") and isinstance(seed, int):
+        terminalreporter.write_line(f"random order: rerun it with --randomly-seed={seed}")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import gc
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -19,16 +18,14 @@ import device
 from swapopt import SwapOptimizer
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(script: str, world_size: int, *args: str, timeout: float = 180.0) -> None:
     """Run ``world_size`` ranks of ``tests/<script>`` on the simulator and wait for all; fails with their
     stderr if any rank fails or times out."""
-    port = free_port()
+    # The launcher hosts the rendezvous store itself, on a port the OS picks and that stays bound until the
+    # ranks are done, and every rank connects as a client (torchrun's agent store). Picking a free port and
+    # letting rank 0 bind it later would race any other process taking that port in between.
+    store = torch.distributed.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
+    port = store.port
     root = Path(__file__).resolve().parent.parent
     procs = []
     for rank in range(world_size):
@@ -36,6 +33,7 @@ def launch(script: str, world_size: int, *args: str, timeout: float = 180.0) -> 
             os.environ,
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(port),
+            TORCHELASTIC_USE_AGENT_STORE="True",  # env:// connects to the store above instead of hosting one
             RANK=str(rank),
             LOCAL_RANK=str(rank),
             WORLD_SIZE=str(world_size),
@@ -60,6 +58,7 @@ def launch(script: str, world_size: int, *args: str, timeout: float = 180.0) -> 
             err.seek(0)
             failures.append(f"rank {rank} exited {proc.returncode}\n{err.read()[-4000:]}")
         err.close()
+    del store
     if failures:
         raise AssertionError(f"{script} {' '.join(args)} failed:\n" + "\n".join(failures))
 

@@ -51,6 +51,10 @@ def main() -> dict:
         "method": model().cuda() if flavour == "cuda" else model().npu(),
     }
     seen["moved"] = {k: str(next(m.parameters()).device) for k, m in moved.items()}
+    # By hand, as FSDP2 moves a CPU-built model onto its mesh: `param.data = ...` puts the param on the device.
+    param = nn.Parameter(torch.randn(4))
+    param.data = param.data.to(dev)
+    seen["data_moved"] = [str(param.device), isinstance(param, nn.Parameter), param.requires_grad]
 
     swapped, plain = moved["torch_device"], moved["get_device"]
     opt = swapopt.SwapOptimizer(torch.optim.AdamW(swapped.parameters(), lr=1e-2, fused=True), swap_optimizer_times=2)

@@ -120,10 +120,13 @@ def test_cli_sim_writes_table_json_and_charts(tmp_path, capsys):
     assert {"resident", "swapopt", "serial", "one-in-flight", "whole", "host-step"} <= kinds
     assert len([r for r in size["rows"] if r["kind"] == "swapopt"]) == 4
     assert size["bound_ms"] > 0 and size["bandwidth"]["h2d_both"] > 0
-    # Simulated bandwidth is the preset's link rate, less the fixed latency of each copy.
+    # Simulated bandwidth is modeled, so exact: 8 copies back to back (measure_bandwidth's repeats), each at
+    # the preset's link rate plus its fixed latency, and one launch latency before the first starts. Only
+    # float rounding is allowed for.
     chunk, preset = size["bandwidth"]["chunk_bytes"], data["preset"]
-    link = chunk / (chunk / (preset["h2d_gbps"] * 1e3) + preset["copy_latency_us"]) / 1e3
-    assert size["bandwidth"]["h2d_alone"] == pytest.approx(link, rel=0.1)  # one launch latency per probe
+    repeats, copy_us = 8, chunk / (preset["h2d_gbps"] * 1e3) + preset["copy_latency_us"]
+    modeled = repeats * chunk / (repeats * copy_us + preset["launch_us"]) / 1e3
+    assert size["bandwidth"]["h2d_alone"] == pytest.approx(modeled, rel=1e-9, abs=0)
     for r in size["rows"]:
         assert r["step_ms"] > 0 and r["ratio"] == pytest.approx(r["step_ms"] / size["bound_ms"])
     md = (tmp_path / f"{stem}.md").read_text()

@@ -73,14 +73,16 @@ def test_startup_mistake_is_one_error_line_and_writes_nothing(workdir, name):
 def test_yaml_syntax_error_names_the_file_and_line(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("model:\n  dim: [128, 256\ntrain:\n  steps: 3\n")
-    line = assert_one_error_line(train(str(bad)), str(bad), "YAML syntax error")
-    assert "<file>" not in line and "line " in line
+    # The unclosed list of line 2 is found where the parser gives up: line 3 ("train:"), column 6.
+    line = assert_one_error_line(train(str(bad)), f"{bad}: line 3, column 6: YAML syntax error")
+    assert "<file>" not in line
 
 
-def test_python_config_syntax_error_names_the_file(tmp_path):
+def test_python_config_syntax_error_names_the_file_and_line(tmp_path):
     bad = tmp_path / "bad.py"
-    bad.write_text("model = dict(dim=\n")
-    assert_one_error_line(train(str(bad)), str(bad), "syntax error")
+    # The error on line 3, not 1, so that a line number the message made up could not match.
+    bad.write_text("x = 1\ny = 2\nmodel = dict(dim=\n")
+    assert_one_error_line(train(str(bad)), f"{bad}: line 3: Python syntax error")
 
 
 def test_plain_cpu_banner_says_the_optimizer_steps_in_place(tmp_path):

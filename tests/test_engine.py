@@ -161,11 +161,30 @@ def test_dcp_resume_continues_bitwise(sim, tmp_path, swap):
         assert torch.equal(a, b)
 
 
-def test_rollout_offloads_and_onloads(sim):
+def test_rollout_offloads_and_onloads(sim, monkeypatch):
     engine = TrainEngine(small_cfg())
     run_steps(engine, 1)
+    calls = []  # (method, device bytes allocated when it was called)
+
+    def spy(name):
+        method = getattr(engine, name)
+
+        def called(*args, **kwargs):
+            calls.append((name, sim.memory_allocated()))
+            return method(*args, **kwargs)
+
+        monkeypatch.setattr(engine, name, called)
+
+    spy("offload_optimizer")
+    spy("onload_optimizer")
     r = engine.rollout(buffer_mb=1.0)
-    assert r["rollout_mem_peak_bytes"] >= 2**20
+    # The optimizer is offloaded before the buffer is taken and onloaded after it is released.
+    assert [n for n, _ in calls] == ["offload_optimizer", "onload_optimizer"]
+    assert calls[1][1] < r["rollout_mem_peak_bytes"]
+    # The reported peak is the device's, not the buffer's size: the model that stays plus the buffer, and
+    # nothing the optimizer would hold between steps.
+    live = sim.memory_allocated()
+    assert r["rollout_mem_peak_bytes"] == live + 2**20
     run_steps(engine, 1)
     for p in engine.model.parameters():
         for key, value in engine.optimizer.state[p].items():

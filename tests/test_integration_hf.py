@@ -1,5 +1,6 @@
 """Hugging Face Trainer: ``optimizer_cls_and_kwargs=(SwapAdamW, {...})`` trains a tiny local Llama, saves with
-save_steps, resumes with resume_from_checkpoint, and ends bitwise where plain AdamW ends."""
+save_steps, resumes with resume_from_checkpoint, and ends bitwise where plain AdamW ends; with
+``swap_optimizer_cls_and_kwargs(args)`` it ends bitwise where a plain Trainer (its default fused AdamW) ends."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from dist_utils import assert_host_states  # noqa: E402
 
 import device  # noqa: E402
 from swapopt import SwapAdamW, SwapOptimizer  # noqa: E402
+from swapopt.integrations.hf import swap_optimizer_cls_and_kwargs  # noqa: E402
 
 OPTIM_KW = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
@@ -112,3 +114,37 @@ def test_trainer_with_swap_adamw_saves_resumes_and_matches_adamw(hf_on_sim, tmp_
     for i in plain_state:
         for key, value in plain_state[i].items():
             assert torch.equal(swap_state[i][key].cpu(), value.cpu()), (i, key)  # host vs device states
+
+
+def test_trainer_with_its_own_optimizer_choice_swapped_matches_a_plain_trainer(hf_on_sim, tmp_path):
+    def build(out, swap: bool) -> Trainer:
+        args = TrainingArguments(output_dir=str(out), max_steps=3, per_device_train_batch_size=4, seed=0,
+                                 report_to=[], logging_strategy="no", save_strategy="no", disable_tqdm=True,
+                                 dataloader_num_workers=0, weight_decay=0.1, adam_beta2=0.95)
+        extra = {"optimizer_cls_and_kwargs": swap_optimizer_cls_and_kwargs(args, swap_optimizer_times=3)} if swap else {}
+        return Trainer(model=tiny_llama(), args=args, train_dataset=Tokens(), **extra)
+
+    plain, swapped = build(tmp_path / "plain", False), build(tmp_path / "swap", True)
+    plain.train()
+    swapped.train()
+    inner = swapped.optimizer.optimizer
+    assert isinstance(inner, SwapOptimizer) and inner.swap_stats().steps == 3
+    # The Trainer's own choice, carried over: the fused kernel, its betas, its decay groups.
+    plain_groups, swap_groups = plain.optimizer.param_groups, inner.param_groups
+    assert [g["fused"] for g in swap_groups] == [g["fused"] for g in plain_groups] == [True, True]
+    assert [(g["betas"], g["weight_decay"]) for g in swap_groups] == [(g["betas"], g["weight_decay"]) for g in plain_groups]
+    ref = dict(plain.model.named_parameters())
+    for name, p in swapped.model.named_parameters():
+        assert torch.equal(p, ref[name]), name
+
+
+def test_knobs_are_checked_and_non_torch_optimizers_refused(tmp_path):
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
+    with pytest.raises(TypeError, match="unknown swapopt knob"):
+        swap_optimizer_cls_and_kwargs(args, swap_times=4)
+    cls, kwargs = swap_optimizer_cls_and_kwargs(args, resident_mb=8)
+    assert issubclass(cls, SwapOptimizer) and kwargs["resident_mb"] == 8 and kwargs["fused"] is True
+    args.optim = "adafactor"  # transformers' own optimizer: not known to be per-param, refused when built
+    cls, kwargs = swap_optimizer_cls_and_kwargs(args)
+    with pytest.raises(ValueError, match="not known to be a per-param optimizer"):
+        cls(tiny_llama().parameters(), **kwargs)

@@ -15,7 +15,9 @@ README = Path(__file__).resolve().parent.parent / "README.md"
 
 def snippets() -> dict[str, str]:
     text = README.read_text()
-    section = text[text.index("## Use it from your framework"):text.index("## How it works")]
+    start = text.index("## Use it from your framework")
+    end = text.find("\n## ", start + 1)  # up to the next section, whichever it is
+    section = text[start:end if end != -1 else len(text)]
     out: dict[str, str] = {}
     name, block = "", None
     for line in section.splitlines():

@@ -19,7 +19,7 @@ CFG = dict(lr=1e-2, weight_decay=0.1, max_grad_norm=0.5, foreach=True)
 
 
 def swap_cfg(**kw) -> AdamWConfig:
-    return AdamWConfig(**CFG, swap_optimizer_times=3, **kw)
+    return AdamWConfig(**CFG, swap_optimizer=True, swap_optimizer_times=3, **kw)
 
 
 def plain_cfg() -> AdamWConfig:
@@ -64,7 +64,9 @@ def assert_states_on_host(engine: TrainEngine) -> int:
 
 def test_config_fields_defaults_and_validation():
     cfg = AdamWConfig()
-    assert cfg.swap_optimizer is True and cfg.swap_optimizer_times == 16 and cfg.slots == 3
+    # XTuner's default and type: swapping is off unless asked for, and None means off.
+    assert cfg.swap_optimizer is False and cfg.swap_optimizer_times == 16 and cfg.slots == 3
+    assert AdamWConfig(swap_optimizer=None).swap_optimizer is None
     assert (cfg.lr, cfg.weight_decay, cfg.betas, cfg.eps, cfg.max_grad_norm) == (1e-5, 0.01, (0.9, 0.95), 1e-8, 1.0)
     assert {"skip_grad_norm_threshold", "foreach", "chunk_mb", "resident_mb"} <= set(AdamWConfig.model_fields)
     for bad in (dict(swap_optimizer_times=0), dict(slots=0), dict(chunk_mb=-1.0), dict(resident_mb=-1.0)):
@@ -142,7 +144,7 @@ def test_rl_offload_onload_and_offload_first_step_leave_states_on_host(pg, tmp_p
     assert_same(snapshot(resumed), snapshot(plain))
 
 
-def test_xtuner_format_state_dict_loads_and_continues_bitwise(sim):
+def test_xtuner_format_state_dict_loads_and_continues_bitwise(pg):  # XTuner's build reads the rank
     # XTuner's own SwapAdamW stores ``max_exp_avg_sq: None`` for every param when amsgrad is off.
     source = TrainEngine(plain_cfg())
     train(source, 0, 2)

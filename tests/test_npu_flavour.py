@@ -13,7 +13,8 @@ import pytest
 
 TESTS = Path(__file__).parent
 # The tests whose subject is the device: stepping and its failures, streams and races, memory, offload,
-# checkpoints. The rest (CLI, integrations, benchmarks) do not depend on the flavour.
+# checkpoints, the engine. The rest (CLI, integrations, benchmarks) do not depend on the flavour;
+# test_npu_torch_npu.py runs itself under the npu flavour.
 DEVICE_DEPENDENT = (
     "test_parity.py",
     "test_failure.py",
@@ -23,6 +24,7 @@ DEVICE_DEPENDENT = (
     "test_overlap.py",
     "test_checkpoint.py",
     "test_swap_memory.py",
+    "test_engine.py",
 )
 
 
@@ -33,7 +35,7 @@ def test_device_dependent_tests_pass_under_the_npu_flavour() -> None:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS.parent), env.get("PYTHONPATH")]))
     files = [str(TESTS / name) for name in DEVICE_DEPENDENT]
     run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-x", *files],
+        [sys.executable, "-m", "pytest", "-v", "-n", "0", "-p", "no:cacheprovider", "-x", *files],
         env=env, capture_output=True, text=True, timeout=900, cwd=TESTS.parent,
     )  # fmt: skip
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]

@@ -129,12 +129,16 @@ def test_reading_a_param_after_step_without_wait_for_update_is_a_race(sim):
 
 
 def test_reading_a_param_after_wait_for_update_is_clean(sim):
+    reference, ref_opt, _ = _stepped(sim, overlap=False)  # step() returned with every update done
+    expected = [p.detach().clone() for p in reference.parameters()]
+    ref_opt.wait_for_swap_out()
     model, opt, x = _stepped(sim, overlap=True)
     opt.wait_for_update([model[0].weight])
-    norm = model[0].weight.norm().item()
+    first = model[0].weight.detach().clone()  # read once only this param's update is waited for
     opt.wait_for_update()  # all the others
-    total = sum(p.detach().sum() for p in model.parameters()).item()
-    assert norm > 0 and total == total
+    # What the reads see is the updated params, bitwise those of a run without overlap.
+    assert torch.equal(first, expected[0])
+    assert all(torch.equal(p.detach(), e) for p, e in zip(model.parameters(), expected))
     opt.zero_grad(set_to_none=True)
     model(x).sum().backward()  # nothing pending any more: the hooks have nothing to wait for
     opt.step()

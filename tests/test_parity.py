@@ -148,6 +148,12 @@ def test_parity_resident():
     sizes = ((600,), (3, 4), (), (10,))
     ps, opt, rs, ref = run_pair(CASES["adamw"], sizes=sizes, swap_optimizer_times=2, resident_mb=200 / 2**20)
     assert_parity(ps, opt, rs, ref)
+    # 200 bytes hold the AdamW states of the three small params (96 + 8 + 80 bytes), not the big one's: those
+    # stay in device memory, the big one's are swapped to the host. Parity alone would also hold if nothing
+    # stayed resident.
+    where = [{opt.state[p][k].device.type for k in ("exp_avg", "exp_avg_sq")} for p in ps]
+    assert where == [{"cpu"}, {ps[0].device.type}, {ps[0].device.type}, {ps[0].device.type}]
+    assert ps[0].device.type != "cpu"
 
 
 def test_parity_muon():

@@ -35,6 +35,7 @@ def test_device_identity(seen: tuple[str, dict]) -> None:
     assert s["torch_device"] == f"{dtype}:0"
     # .to(device.torch_device()), .to(device.get_device()) and .cuda()/.npu() all move a CPU-built model
     assert s["moved"] == {"torch_device": f"{dtype}:0", "get_device": f"{dtype}:0", "method": f"{dtype}:0"}
+    assert s["data_moved"] == [f"{dtype}:0", True, True]
     if flavour == "npu":
         assert s["torch_npu"] == 8  # `import torch_npu` works and torch.npu answers (SWAPOPT_SIM_DEVICES)
 
@@ -76,3 +77,19 @@ def test_engine_builds_on_its_ranks_device(seen: tuple[str, dict]) -> None:
     asks for the current one (asked first, device 0 becomes current on every rank)."""
     preset, s = seen
     assert s["engine_device"] == f"{FLAVOURS[preset][1]}:1"
+
+
+def test_fully_shard_moves_a_cpu_built_model_onto_the_meshs_device(pg) -> None:
+    # FSDP2 moves each param with `param.data = param.to(device)`, which a CUDA program relies on.
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import device
+
+    dev = device.torch_device()
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8, device="cpu"), torch.nn.Linear(8, 8, device="cpu"))
+    fully_shard(model, mesh=init_device_mesh(dev.type, (1,)))
+    assert {p.to_local().device for p in model.parameters()} == {dev}
+    model(torch.randn(2, 8, device=dev)).sum().backward()
+    assert {p.grad.to_local().device for p in model.parameters()} == {dev}

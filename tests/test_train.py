@@ -62,7 +62,7 @@ def test_missing_resume_dir_fails_at_start(clean_device_env, tmp_path, capsys):
     assert "no checkpoint in" in capsys.readouterr().out
 
 
-def _torchrun(*args: str) -> str:
+def _torchrun(*args: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "SWAPOPT_DEVICE"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", "swapopt.train", TINY, *args]
@@ -72,14 +72,18 @@ def _torchrun(*args: str) -> str:
     assert done.stdout.count("done: ") == 1
     logs = [line for line in done.stderr.splitlines() if " | INFO    | " in line]
     assert logs and all(line.startswith(("[rank 0] ", "[rank 1] ")) for line in logs), done.stderr
-    return done.stdout
+    return done
 
 
 @pytest.mark.slow
 def test_torchrun_two_ranks_resume_continues_bitwise(tmp_path):
     straight, resumed, ckpt = tmp_path / "straight.jsonl", tmp_path / "resumed.jsonl", tmp_path / "ckpt"
-    out = _torchrun("--cfg-options", *SMALL, "train.steps=4", f"train.metrics_path={straight}")
-    assert "world size 2" in out and "simulated" in out
+    run = _torchrun("--cfg-options", *SMALL, "train.steps=4", f"train.metrics_path={straight}")
+    assert "world size 2" in run.stdout and "simulated" in run.stdout
+    # Rank r trains on device r (torchrun's LOCAL_RANK), not every rank on the first device it touched.
+    placed = sorted(line.split("] ", 1)[0] + "] " + line.rsplit("params on ", 1)[1]
+                    for line in run.stderr.splitlines() if ": params on " in line)
+    assert placed == ["[rank 0] sim:0", "[rank 1] sim:1"], run.stderr
     _torchrun("--cfg-options", *SMALL, "train.steps=2", f"train.checkpoint_dir={ckpt}",
               f"train.metrics_path={resumed}")
     assert (ckpt / "step_00000002" / "trainer.json").is_file()
@@ -233,3 +237,22 @@ def test_metrics_lines_are_written_in_batches_each_step_once_and_up_to_every_che
     assert [r["step"] for r in rows] == list(range(1, 8))
     assert summary["losses"] == [r["loss"] for r in rows]
     assert all(r["forward_ms"] > 0 and r["swap_ms"] > 0 for r in rows)
+
+
+@pytest.mark.parametrize("opts", [["train.gradient_checkpointing=true"],
+                                  ["train.gradient_checkpointing=false", "optim.swap_optimizer=false"]])
+def test_start_up_estimate_counts_the_ops_a_step_runs(sim, opts):
+    # On the simulator a small model's step costs its aten ops times the host cost of one op, far more than
+    # its FLOPs: the estimate's op count must be that of a real step (counts are deterministic).
+    from swapopt import internals
+    from swapopt.engine.config import load_config
+    from swapopt.engine.preflight import count_step_ops
+    from swapopt.engine.trainer import TrainEngine
+
+    cfg = load_config(TINY, opts + ["train.compare_resident=0"])
+    engine = TrainEngine(cfg)
+    engine.train_step()  # the first step creates the states
+    with internals.counting_ops() as ran:
+        engine.train_step()
+    estimated = count_step_ops(cfg)
+    assert 0.75 * ran[0] <= estimated <= 1.1 * ran[0], (estimated, ran[0])

@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 import device
+from swapopt.integrations.xtuner import _AdamWFields
 
 
 class TinyLM(nn.Module):
@@ -65,6 +66,10 @@ def batch(step: int) -> torch.Tensor:
 
 class TrainEngine:
     """The optimizer-facing part of XTuner v1's TrainEngine."""
+
+    # XTuner loads with its InterleavedShardLoadPlanner (xtuner/v1/patch), which skips torch's size check;
+    # tests with XTuner importable set it here, torch's default planner is used otherwise.
+    load_planner_cls: Any = None
 
     def __init__(self, optim_cfg: Any, seed: int = 0) -> None:
         self.optim_cfg = optim_cfg
@@ -134,7 +139,8 @@ class TrainEngine:
         load_optimizer = load_states or load_args
         state = self._get_dcp_state_dict(cpu_offload=True, save_optimizer=load_optimizer)
         options = StateDictOptions(cpu_offload=True, strict=not self.has_freeze_params)
-        dcp.load(state_dict=state, checkpoint_id=weights_dir)
+        planner = self.load_planner_cls() if self.load_planner_cls is not None else None
+        dcp.load(state_dict=state, checkpoint_id=weights_dir, planner=planner)
         set_model_state_dict(self.model, state["model"], options=options)
         if not load_optimizer:
             return
@@ -194,3 +200,19 @@ def train(engine: TrainEngine, start: int, steps: int, offload_first_step: bool 
             engine.put_optimizer_to_device(device.torch_device())
             offload_first_step = False
         engine.step_optimizer(grad_norm)
+
+
+class XTunerAdamWConfig(_AdamWFields):
+    """XTuner v1's ``AdamWConfig`` as defined in xtuner/v1/config/optim.py (the fields and defaults swapopt's
+    fallback mirrors, and build), for tests that patch it with ``use_swapopt()`` when XTuner itself is not
+    importable. Its swap branch builds XTuner's own ``SwapAdamW``, which is not here: reaching it fails the
+    test."""
+
+    def build(self, model):
+        params = [p for p in model.parameters() if p.requires_grad]
+        _ = model.trainable_parameters(), dist.get_rank()  # XTuner's build logs on rank 0: needs a process group
+        if self.swap_optimizer:
+            raise AssertionError("XTuner's own SwapAdamW branch was reached")
+        return torch.optim.AdamW(
+            params, lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay, foreach=self.foreach
+        )

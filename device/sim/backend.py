@@ -17,7 +17,11 @@ The device type cannot be `cuda`: torch refuses to rename PrivateUse1 to an in-t
 `cuda`-typed tensor cannot enter autograd on a CPU-only build (the engine takes its streams from CUDA's
 hooks, which only libtorch_cuda registers, before any extension could load). So the flavours are:
 - `npu` (preset 910b): the backend is named `npu`, as torch_npu names it; `torch.npu` and an importable
-  `torch_npu` module present the simulator;
+  `torch_npu` module present the simulator. It also behaves where torch_npu differs from CUDA: op-plugin's
+  fused optimizer kernels (device.sim.kernels), torch_npu's GradScaler (`torch.npu.amp`, device.sim.npu_amp),
+  a new stream object from every current_stream()/default_stream(), recordStream that does not skip the
+  allocating stream, pinned host allocations rounded up to a power of two, non-contiguous host<->device
+  copies that block the host, and Event.elapsed_time that synchronizes the device (device.sim.device);
 - `cuda` (preset h100): the backend is named `sim`; `torch.cuda`'s functions, `.cuda()`, `.to("cuda")` and
   `device="cuda"` route to the simulated device (device/sim/entry_points.py), so code written for CUDA
   runs unchanged, while `t.device.type` says `sim`.
@@ -170,6 +174,9 @@ def register(flavour: str) -> None:
     for name in _BACKEND_OPS:
         _KERNELS.impl(name, functools.partial(_backend_kernel, getattr(torch.ops.aten, name.split(".")[0])), "PrivateUse1")
     if flavour == "npu" and "torch_npu" not in sys.modules:
+        from device.sim import npu_amp
+
         sys.modules["torch_npu"] = _npu_package(module)
         sys.modules["torch_npu.npu"] = sys.modules["torch.npu"] = module  # torch.npu is torch_npu.npu
+        module.amp = sys.modules["torch_npu.npu.amp"] = npu_amp.module()  # torch.npu.amp.GradScaler
     _REGISTERED.append(flavour)

@@ -40,7 +40,7 @@ import torch
 from loguru import logger
 from torch._subclasses.fake_tensor import FakeTensor
 
-from device.sim import entry_points
+from device.sim import entry_points, kernels
 from device.sim.costs import op_flops
 from device.sim.backend import backend_name, register, registered_flavour
 from device.sim.dispatch import DEVICE, HOST_MEM, HOST_OUT, PAGEABLE, PINNED_OUT, check_same_device, op_lane
@@ -53,7 +53,7 @@ from device.sim.modes import _STREAM_TAG, _SimMode, _StreamTagMode
 from device.sim.ops import OpInfo, arg_value, byte_range, factory_bytes, new_outputs, op_info, strided_layout, tensors
 from device.sim.presets import PRESETS, SimPreset, get_preset
 from device.sim.sanitizer import HOST, Access, Clock, Clocks, StreamRaceError, race_error, where
-from device.sim.streams import SimEvent, SimStream
+from device.sim.streams import SimEvent, SimStream, canonical, fresh_object
 from device.sim.tensor import _CPU, _MIX_FREE, SimTensor, _check_same_device, _unwrap, wrap_outputs
 from device.sim.timeline import Timeline, TimelineOp
 
@@ -126,6 +126,18 @@ class SimDevice:
         # Per-instance classes so that `isinstance(s, dev.Stream)` works and streams know their device.
         self.Stream = type("Stream", (SimStream,), {"_sim": self})
         self.Event = type("Event", (SimEvent,), {"_sim": self})
+        # The npu flavour hands out a new object for the current/default stream on every call, as
+        # torch_npu does (device.sim.streams.fresh_object); code that compares streams with `is` breaks.
+        self._fresh_streams = self.typed and self.flavour == "npu"
+        # Fused optimizer kernels run through torch_npu's CPU fallback (device.sim.kernels), by kernel name.
+        self.cpu_fallbacks: dict[str, int] = {}
+        # npu flavour: record_stream calls that named the block's own allocation stream, a no-op on CUDA but
+        # on NPU a hold on the block until that stream's queued work is done (see record_stream).
+        self.self_stream_records = 0
+        # npu flavour: non_blocking host<->device copies that blocked because a side was not contiguous.
+        self.strided_copies = 0
+        # npu flavour: Event.elapsed_time calls, each of which drained the whole device.
+        self.elapsed_time_drains = 0
         self._clocks = Clocks()
         self._timeline = Timeline(self.preset)
         self._storages: dict[int, _Storage] = {}  # StorageImpl address -> info; entries die with the storage
@@ -133,6 +145,7 @@ class SimDevice:
         self._first_uid: dict[int, int] = {}  # storages free_storage emptied (alive, maybe given memory again): their id
         self._live_host = 0
         self._peak_host = 0
+        self._host_costs: dict[int, int] = {}  # npu flavour: live pinned storage id -> bytes it takes
         self._actor_names = ["host"]
         self._host_alloc = 0
         self._labels: list[str] = []
@@ -228,13 +241,20 @@ class SimDevice:
         return True
 
     def current_stream(self, device: Any = None) -> SimStream:
-        return getattr(self._tls, "current", None) or self._default
+        return self._present(self._current())
 
     def default_stream(self, device: Any = None) -> SimStream:
-        return self._default
+        return self._present(self._default)
+
+    def _current(self) -> SimStream:
+        """The current stream object itself (the simulator's own bookkeeping compares streams by identity)."""
+        return getattr(self._tls, "current", None) or self._default
+
+    def _present(self, stream: SimStream) -> SimStream:
+        return fresh_object(stream) if self._fresh_streams else stream
 
     def set_stream(self, stream: SimStream) -> None:
-        self._tls.current = stream
+        self._tls.current = canonical(stream)
 
     @contextmanager
     def stream(self, stream: SimStream | None) -> Iterator[SimStream | None]:
@@ -242,8 +262,8 @@ class SimDevice:
         if stream is None:
             yield None
             return
-        previous = self.current_stream()
-        self._tls.current = stream
+        previous = self._current()
+        self._tls.current = canonical(stream)
         try:
             yield stream
         finally:
@@ -351,8 +371,19 @@ class SimDevice:
             self._register(storage, HOST_MEM)
         return t
 
+    def _host_cost(self, info: _Storage) -> int:
+        """Host bytes a pinned allocation takes: the npu flavour rounds as torch_npu's host allocator does
+        (device.npu_pinned_bytes, under PYTORCH_NPU_ALLOC_CONF as it is at allocation); kept until the free."""
+        if self.flavour != "npu":
+            return info.nbytes
+        from device import npu_pinned_bytes  # the package above the simulator; imported by then
+
+        cost = self._host_costs[info.uid] = npu_pinned_bytes(info.nbytes)
+        return cost
+
     def host_memory_allocated(self) -> int:
-        """Live bytes of pinned host memory (pinned_empty, pin_memory=True, Tensor.pin_memory())."""
+        """Live bytes of pinned host memory (pinned_empty, pin_memory=True, Tensor.pin_memory()), as the host
+        allocator takes them (rounded on the npu flavour, _host_cost)."""
         return self._live_host
 
     def max_host_memory_allocated(self) -> int:
@@ -361,8 +392,15 @@ class SimDevice:
     def record_stream(self, t: torch.Tensor, stream: SimStream) -> None:
         """Like Tensor.record_stream: freeing t's storage is safe with respect to work queued on `stream`."""
         info = self._lookup(_local(t).untyped_storage())
-        if info is not None:
-            info.recorded.add(stream.actor)
+        if info is None:
+            return
+        if stream.actor == info.alloc_actor and self.flavour == "npu":
+            # CUDA's allocator skips the allocating stream; NPU's records it like any other
+            # (torch_npu NPUCachingAllocator.cpp DeviceCachingAllocator::recordStream just inserts into
+            # stream_uses), so the block waits for that stream's queued work before reuse. Counted, so
+            # that tests can tell a library that records it.
+            self.self_stream_records += 1
+        info.recorded.add(stream.actor)
 
     def free_storage(self, t: torch.Tensor) -> None:
         """Like ``untyped_storage().resize_(0)`` on a device tensor: its block is freed as if the tensor
@@ -388,7 +426,7 @@ class SimDevice:
             if self._lookup(storage) is not None:
                 raise RuntimeError("alloc_storage: the tensor still has its memory; free_storage it first")
             first = self._first_uid.get(storage._cdata)
-            stream = self.current_stream()
+            stream = self._current()
             with torch.utils._python_dispatch._disable_current_modes():
                 storage.resize_(nbytes)
             try:
@@ -472,14 +510,14 @@ class SimDevice:
         """The stream an op runs on: the current one, or during backward the stream of the op's forward."""
         node = torch._C._current_autograd_node()
         if node is None:
-            return self.current_stream()
+            return self._current()
         stream = node.metadata.get(_STREAM_TAG) or self._default
         tls = self._tls
         backward = getattr(tls, "backward", None)
         if backward is None:
             # The first backward op follows the caller's current stream (where the incoming gradient was
             # made); when the pass ends, the caller's stream waits for every stream it used.
-            caller = self.current_stream()
+            caller = self._current()
             backward = tls.backward = {"caller": caller, "streams": {caller}, "last": caller}
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         if stream is not backward["last"]:
@@ -520,7 +558,7 @@ class SimDevice:
             return
         arg = _Arg(t, storage, info, "r")
         if info.kind == DEVICE:
-            stream = self.current_stream()
+            stream = self._current()
             host = self._host()
             self._clocks.merge_actor(stream.actor, host)
             self._check_and_log(what, [(arg, stream.actor, self._clocks.tick(stream.actor))])
@@ -534,7 +572,7 @@ class SimDevice:
         """A storage made outside the dispatcher as a copy of one whose kind is `like` (deepcopy, clone)."""
         if like is None or self._lookup(storage) is not None:
             return
-        stream = self.current_stream()
+        stream = self._current()
         info = self._register(storage, like.kind, stream.actor if like.kind == DEVICE else HOST)
         if info.kind == DEVICE:
             self._allocated(info, stream)
@@ -551,7 +589,7 @@ class SimDevice:
     def _loaded(self, storage: Any) -> None:
         """A storage torch.load restored from a checkpoint saved from device memory: device memory again."""
         if self._lookup(storage) is None:
-            stream = self.current_stream()
+            stream = self._current()
             self._allocated(self._register(storage, DEVICE, stream.actor), stream)
 
     def _saved(self, storage: Any) -> bool:
@@ -609,7 +647,7 @@ class SimDevice:
         finalizer = weakref.finalize(storage, self._on_free, key, info.uid)
         finalizer.atexit = False
         if kind == HOST_MEM:
-            self._live_host += info.nbytes
+            self._live_host += self._host_cost(info)
             self._peak_host = max(self._peak_host, self._live_host)
         return info
 
@@ -645,7 +683,7 @@ class SimDevice:
             return
         del self._storages[key]
         if info.kind == HOST_MEM:
-            self._live_host -= info.nbytes
+            self._live_host -= self._host_costs.pop(info.uid, info.nbytes)
         if info.kind != DEVICE:
             return
         # The caching allocator reuses a block freed after record_stream only once the recorded streams'
@@ -710,11 +748,16 @@ class SimDevice:
             f"is reserved but unallocated."
         )
 
+    def _keep(self, err: BaseException) -> None:
+        """An error inside backward, raised when backward() returns (Note [backward on the caller's thread]);
+        the first one wins, as the first is what a pass on hardware would have stopped at."""
+        if self._pending is None:
+            self._pending = err
+
     def _deferred(self, err: BaseException, func: Any, args: tuple, kwargs: dict) -> Any:
         """An error of the op `func` inside backward (Note [backward on the caller's thread]): kept to be
         raised when backward() returns, and the op run plainly so that the pass can finish."""
-        if self._pending is None:
-            self._pending = err
+        self._keep(err)
         found: list[SimTensor] = []
         hosts: list[torch.Tensor] = []
         args = tuple([_unwrap(a, found, hosts) for a in args])
@@ -848,10 +891,29 @@ class SimDevice:
             return self._pinned_alloc(func, args, kwargs)
         if place == HOST_OUT and packet is torch.ops.aten._to_copy and found and kwargs.get("non_blocking"):
             place = PINNED_OUT
+        fallback = False
+        if self.flavour == "npu" and found:  # fused optimizer kernels as op-plugin has them (device.sim.kernels)
+            kind = kernels.npu_kind(func)
+            if kind == kernels.NATIVE:
+                kernels.check_npu_args(func, kwargs)
+            if kind == kernels.IGNORES_SCALING:
+                kwargs = kernels.without_scaling(kwargs)
+            fallback = kind == kernels.CPU_FALLBACK
+            if fallback:
+                name = func.overloadpacket.__name__
+                self.cpu_fallbacks[name] = self.cpu_fallbacks.get(name, 0) + 1
+                self._host_sync_stream()  # the fallback's copies to the host wait for the stream's queued work
         out = self._run(func, args, kwargs, place)
+        if fallback:
+            self._host_sync_stream()  # ... and its copies back are synchronous too
         if place < 0 and not found:
             return out
         return self._wrap(out, found, hosts, place, packet)
+
+    def _host_sync_stream(self) -> None:
+        """The host waits for the current stream's queued work (a synchronous copy on it)."""
+        stream = self._current()
+        self._host_wait(self._clocks.snapshot(stream.actor), stream.tail_us)
 
     def _wrap(self, out: Any, found: list[SimTensor], hosts: list[torch.Tensor], place: int, packet: Any) -> Any:
         return wrap_outputs(out, found, hosts, torch.device(self.backend, place) if place >= 0 else None, packet)
@@ -863,7 +925,7 @@ class SimDevice:
             # CUDA code would have made on the host) gives a pinned host copy, as pinning a CPU tensor does.
             # Such a tensor was written synchronously in that code, so the copy follows the current stream.
             if not self.is_host(args[0]):
-                stream = self.current_stream()
+                stream = self._current()
                 self._host_wait(self._clocks.snapshot(stream.actor), stream.tail_us)
             func, args, kwargs = torch.ops.aten.clone.default, args[:1], {}
         else:
@@ -951,6 +1013,13 @@ class SimDevice:
                 raise self._oom(need, index)
         new_on_device = place is None or place >= 0
         lane, blocking, staged_src = op_lane(func, op, args, kwargs, accesses, new_on_device)
+        if self.flavour == "npu" and op.copy and lane in ("h2d", "d2h") and not blocking and not all(
+            a.tensor.is_contiguous() for a in accesses
+        ):
+            # torch_npu copies a non-contiguous host<->device pair through contiguous temporaries and waits for
+            # the copy stream: the host blocks, however non_blocking was asked.
+            blocking = True
+            self.strided_copies += 1
 
         host = self._host()
         self._clocks.merge_actor(stream.actor, host)  # a launch follows everything the host did before it
@@ -1024,7 +1093,7 @@ class SimDevice:
                         raise self._oom(nbytes, info.index)
                     grew, info.block, info.nbytes = nbytes > info.nbytes, block, nbytes
                     if grew and self.sanitize:  # a fresh block: safe on the stream that resized it only
-                        self._allocated(info, self.current_stream())
+                        self._allocated(info, self._current())
 
     def _check_resize(self, func: Any, args: tuple, kwargs: dict, tensor_args: list[_Arg]) -> None:
         """resize_ of a device tensor beyond what fits raises before resizing, like the allocator."""

@@ -189,6 +189,29 @@ def _tensor_to(original):
     return to
 
 
+def _data_property(original):
+    """`t.data = device_tensor` for a host tensor `t` (FSDP2 moving a CPU-built model onto its mesh's device,
+    user code moving a param by hand) works on CUDA: the param becomes a device tensor in place. A host
+    tensor cannot take a SimTensor's data in place (torch refuses set_data between the two tensor types), so
+    the param swaps its whole tensor with a device one (torch.utils.swap_tensors, as Module._apply does for
+    wrapper subclasses): the same Python object, now on the device, requires_grad kept."""
+
+    def set_data(self, value):
+        try:
+            original.__set__(self, value)
+        except RuntimeError as err:
+            if not (isinstance(value, SimTensor) and type(self) is not SimTensor and "incompatible tensor type" in str(err)):
+                raise
+            moved = value.detach()
+            if isinstance(self, torch.nn.Parameter):
+                moved = torch.nn.Parameter(moved, requires_grad=self.requires_grad)
+            else:
+                moved.requires_grad_(self.requires_grad)
+            torch.utils.swap_tensors(self, moved)
+
+    return property(original.__get__, set_data, doc=original.__doc__)
+
+
 def _module_cuda(original):
     @functools.wraps(original)
     def cuda(self, device=None):
@@ -319,6 +342,7 @@ def install() -> None:
     _patch(T, "record_stream", _record_stream)
     _patch(T, "cuda", _tensor_cuda)
     _patch(T, "to", _tensor_to)
+    _patch(T, "data", _data_property)
     _patch(torch.UntypedStorage, "clone", _clone)
     _patch(torch.optim.Optimizer, "_process_value_according_to_param_policy", _static(_param_policy))
     _patch(torch.nn.Module, "cuda", _module_cuda)

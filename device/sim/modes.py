@@ -3,6 +3,11 @@ TorchFunctionMode that records on each autograd node the stream its forward op r
 
 from __future__ import annotations
 
+import functools
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -69,7 +74,61 @@ def _tag_outputs(out: Any, stream: SimStream) -> None:
 # the pass is kept, the op run plainly, and the error raised when backward() returns, so it still fails
 # the call that caused it. An error of torch's own kernel inside the pass cannot be kept (there is no
 # output to go on with): it still ends the process.
+# A Python hook on a tensor is the same case (torch leaves the hook's error set while it unwinds through
+# the pass's stream guard, whose Python device type query then fails where it may not throw): hooks
+# registered while the simulator is active keep their errors the same way. Hooks on autograd nodes
+# (grad_fn.register_hook, Module full backward hooks) cannot be wrapped from Python and still end the process.
+# A signal is the same case: on hardware the backward pass is C++ that waits with the GIL released, so
+# Python's SIGINT handler runs (and KeyboardInterrupt is raised) only once backward() returns; here the
+# pass runs Python (the dispatch mode), where the handler would raise mid-pass and end the process. So a
+# SIGINT during a simulated pass is held and handed to the handler that was installed when it returns.
 _BACKWARD = (torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad)
+_TENSOR_HOOKS = (torch.Tensor.register_hook, torch.Tensor.register_post_accumulate_grad_hook)
+
+
+def _errors_kept(hook: Any, sim: SimDevice) -> Any:
+    """`hook`, with an error it raises inside a pass on `sim` kept for backward() to raise when it returns."""
+
+    @functools.wraps(hook)
+    def run(*args: Any) -> Any:
+        try:
+            return hook(*args)
+        except Exception as err:
+            if active() is not sim or torch._C._current_autograd_node() is None:
+                raise
+            sim._keep(err)
+            return None
+
+    return run
+
+
+@contextmanager
+def _sigint_held_until_return() -> Iterator[None]:
+    """Hold SIGINT for the body (Note [backward on the caller's thread]), then deliver it as hardware would.
+    Signal handlers belong to the main thread; elsewhere, or inside a held body, there is nothing to do."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGINT)
+    if getattr(previous, "_swapopt_holds_sigint", False):
+        yield
+        return
+    received: list[tuple[int, Any]] = []
+
+    def hold(signum: int, frame: Any) -> None:
+        received.append((signum, frame))
+
+    hold._swapopt_holds_sigint = True  # type: ignore[attr-defined]
+    signal.signal(signal.SIGINT, hold)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if received:
+        if callable(previous):
+            previous(*received[0])
+        elif previous == signal.SIG_DFL:
+            signal.raise_signal(signal.SIGINT)  # the default action, now that the pass is over
 
 
 class _StreamTagMode(TorchFunctionMode):
@@ -83,15 +142,18 @@ class _StreamTagMode(TorchFunctionMode):
     @counted
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func in _BACKWARD and active() is self.sim:
-            try:
-                out = func(*args, **(kwargs or {}))
-            finally:
-                self.sim._raise_pending()  # an error deferred inside the pass, Note [backward on the caller's thread]
+            with _sigint_held_until_return():
+                try:
+                    out = func(*args, **(kwargs or {}))
+                finally:
+                    self.sim._raise_pending()  # an error deferred inside the pass, Note [backward on the caller's thread]
             return out
+        if func in _TENSOR_HOOKS and active() is self.sim and len(args) == 2:
+            args = (args[0], _errors_kept(args[1], self.sim))
         out = func(*args, **(kwargs or {}))
         sim = self.sim
         if torch.is_grad_enabled() and active() is sim:
-            stream = sim.current_stream()
+            stream = sim._current()
             if stream is not sim._default:
                 _tag_outputs(out, stream)
         return out

@@ -52,7 +52,7 @@ class SimStream:
         return self._sim._query(self._sim._clocks.snapshot(self.actor), self.tail_us)
 
     def __enter__(self) -> SimStream:
-        self._prev.append(self._sim.current_stream())
+        self._prev.append(self._sim._current())
         self._sim.set_stream(self)
         return self
 
@@ -61,6 +61,32 @@ class SimStream:
 
     def __repr__(self) -> str:
         return f"<sim Stream {self.name}>"
+
+    # Streams compare as torch's do: by the stream they name, not by Python object (a StreamHandle and
+    # its stream are equal and hash alike).
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, SimStream) and other._sim is self._sim and other.actor == self.actor
+
+    def __hash__(self) -> int:
+        return hash((id(self._sim), self.actor))
+
+
+def fresh_object(stream: SimStream) -> SimStream:
+    """A new Python object for an existing stream, as torch_npu's ``current_stream()`` and
+    ``default_stream()`` return on every call (torch_npu/npu/utils.py:260-287 builds a new
+    ``torch_npu.npu.Stream`` from the (stream_id, device_index, device_type) triple each time): of the
+    stream's class, equal to it and hashing alike, never identical to it. It shares the stream's
+    attributes (one __dict__), so work launched through either is the same stream's."""
+    other = object.__new__(type(stream))
+    other.__dict__ = stream.__dict__
+    return other
+
+
+def canonical(stream: Any) -> Any:
+    """The stream object the simulator made for ``stream`` (a fresh_object of it, or itself)."""
+    if isinstance(stream, SimStream):
+        return stream._sim._streams.get(stream.actor, stream)
+    return stream
 
 
 @counted_methods("__init__", "record", "wait", "query", "synchronize", "elapsed_time")
@@ -75,10 +101,10 @@ class SimEvent:
         self.time_us: float | None = None  # modeled completion time
 
     def record(self, stream: SimStream | None = None) -> None:
-        self._sim._record(self, stream if stream is not None else self._sim.current_stream())
+        self._sim._record(self, stream if stream is not None else self._sim._current())
 
     def wait(self, stream: SimStream | None = None) -> None:
-        (stream if stream is not None else self._sim.current_stream()).wait_event(self)
+        (stream if stream is not None else self._sim._current()).wait_event(self)
 
     def query(self) -> bool:
         return self.clock is None or self._sim._query(self.clock, self.time_us)
@@ -90,6 +116,16 @@ class SimEvent:
 
     def elapsed_time(self, end_event: SimEvent) -> float:
         """Modeled milliseconds between this event and `end_event`, like torch.cuda.Event.elapsed_time."""
+        sim = self._sim
+        if sim.flavour == "npu":
+            # torch_npu (csrc/core/npu/NPUEvent.cpp:152-176) neither checks enable_timing nor raises for an
+            # unfinished event: it drains every task queue and synchronizes on both events, so the host
+            # waits for the whole device.
+            if self.clock is None or end_event.clock is None:
+                raise RuntimeError("Both events must be recorded before calculating elapsed time")
+            sim.elapsed_time_drains += 1
+            sim.synchronize()
+            return (end_event.time_us - self.time_us) / 1e3
         if not (self.enable_timing and end_event.enable_timing):
             raise RuntimeError("Both events must be created with argument 'enable_timing=True'")
         if self.clock is None or end_event.clock is None:

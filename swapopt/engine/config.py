@@ -111,10 +111,24 @@ class AdamWConfig(SwapConfig):
         kwargs = {k: v for k, v in self.model_dump(exclude={"type", *SwapConfig.model_fields}).items()
                   if k in accepted and not (v is None and k in ("foreach", "fused"))}
         optimizer = klass(params, **kwargs)
+        _check_npu_kernels(optimizer)
         try:
             return self.wrap(optimizer)
         except (TypeError, ValueError, NotImplementedError) as err:
             raise ConfigError(f"optim.type: swap_optimizer=True cannot wrap {self.type}: {err}") from err
+
+
+def _check_npu_kernels(optimizer: torch.optim.Optimizer) -> None:
+    """On NPU, refuse ``optim.fused=true`` for optimizers whose fused kernel torch_npu lacks: they would
+    step through its synchronous CPU fallback (swapopt.npu)."""
+    import device
+    from swapopt import npu
+
+    if device.get_device() != "npu":
+        return
+    kernels = npu.cpu_fallback_kernels(optimizer)
+    if kernels:
+        raise ConfigError(f"optim.fused: {npu.fallback_message(optimizer, kernels)}; set optim.fused=false")
 
 
 class LRConfig(_Strict):

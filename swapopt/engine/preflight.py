@@ -17,6 +17,7 @@ import torch
 from pydantic import BaseModel
 
 import device
+from swapopt import internals
 from swapopt.engine.config import ConfigError, EngineConfig, suggest
 
 GiB = 2**30
@@ -131,15 +132,72 @@ def check_paths(cfg: EngineConfig) -> None:
 
 # -- what a CPU-backed run (simulator or plain CPU) will cost ---------------------------------------------
 class Estimate(BaseModel):
+    """One step's cost on this host: its FLOPs at the host's matmul rate, plus its aten ops at the measured
+    host cost of one op where the job runs (the simulator's dispatch, or plain torch's). On the simulator
+    a small model's step is mostly the second term."""
+
     n_params: int
     host_bytes: int
     available_bytes: int | None
     step_flops: float
     cpu_flops: float  # measured FLOP/s of an fp32 matmul on this host
+    step_ops: int = 0  # aten ops of one step (forward, backward, optimizer), counted on the meta device
+    op_s: float = 0.0  # measured host seconds of one small op where the job runs
 
     @property
     def step_s(self) -> float:
-        return self.step_flops / self.cpu_flops
+        return self.step_flops / self.cpu_flops + self.step_ops * self.op_s
+
+
+def count_step_ops(cfg: EngineConfig) -> int:
+    """aten ops of one training step of ``cfg``'s model at its batch shape, counted on the meta device (no
+    memory, no compute): forward, loss, backward, and the optimizer's update once per chunk plus one swap-in
+    and one swap-out copy per chunk (each chunk's states are one arena). 0 when it cannot be counted (a
+    Hugging Face model, a model that does not run on meta)."""
+    if cfg.model.hf_path is not None:
+        return 0
+    import torch.nn.functional as F
+
+    from swapopt.engine.model import build_model, logits_of
+
+    t, o = cfg.train, cfg.optim
+    try:
+        with torch.device("meta"):
+            model = build_model(cfg.model, t.seed, t.gradient_checkpointing)
+            tokens = torch.zeros(t.batch, t.seq_len, dtype=torch.long)
+            probe = torch.nn.Parameter(torch.zeros(8))
+            inner = o.model_copy(update={"swap_optimizer": False}).build([probe])  # the update's ops, unswapped
+        with internals.counting_ops() as model_ops:
+            logits = logits_of(model(tokens))
+            F.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten()).backward()
+        probe.grad = torch.zeros_like(probe)
+        inner.step()  # the first step creates the states
+        with internals.counting_ops() as update_ops:
+            inner.step()
+    except Exception:  # meta lacks a kernel the model needs: no op term, the FLOP term stays
+        return 0
+    updates = o.swap_optimizer_times if o.swap_optimizer else 1
+    return model_ops[0] + updates * (update_ops[0] + (2 if o.swap_optimizer else 0))
+
+
+def measure_op_seconds(plan: DevicePlan, ops: int = 200) -> float:
+    """Host seconds of one small elementwise op where the job will run: on a simulated device of the plan's
+    preset (its dispatch is most of a small model's step), or on plain CPU."""
+    def run(dev: torch.device | str) -> float:
+        x = torch.ones(64, device=dev)
+        for _ in range(10):  # warm-up: the first ops pay for caches
+            x.add_(1)
+        start = time.perf_counter()
+        for _ in range(ops):
+            x.add_(1)
+        return (time.perf_counter() - start) / ops
+
+    if plan.kind != "sim":
+        return run("cpu")
+    from device import sim
+
+    with sim.activate(plan.preset or "h100", sanitize=True) as simulated:
+        return run(simulated.torch_device())
 
 
 def count_params(cfg: EngineConfig) -> int | None:
@@ -175,23 +233,41 @@ def measure_cpu_flops(seconds: float = 0.2) -> float:
     return 2 * 512**3 * n / (time.perf_counter() - start)
 
 
-def estimate(cfg: EngineConfig, n_params: int, local_world: int = 1) -> Estimate:
+def pinned_rounding_bytes(cfg: EngineConfig, n_params: int) -> int:
+    """Host bytes on top of the swapped Adam states (8 B/param) that torch_npu's pinned host allocator adds by
+    rounding each state arena up to a power of two (device.npu_pinned_bytes; about one arena per chunk);
+    0 off NPU, without swapping, or with PYTORCH_NPU_ALLOC_CONF=pin_memory_expandable_segments:True."""
+    import device
+
+    o = cfg.optim
+    if not o.swap_optimizer or device.get_device() != "npu":
+        return 0
+    states = 8 * n_params
+    chunks = max(1, o.swap_optimizer_times)
+    per_chunk = -(-states // chunks)
+    return max(0, chunks * device.npu_pinned_bytes(per_chunk) - states)
+
+
+def estimate(cfg: EngineConfig, n_params: int, local_world: int = 1, plan: DevicePlan | None = None) -> Estimate:
     """Host RAM and compute of one step when the device's memory is host memory (simulator, plain CPU).
 
     Memory: fp32 params, grads and two Adam states (16 B/param, shared across ranks by FSDP2) plus each
     rank's activations: with checkpointing one saved input per block and one block's recompute, without it
     every block's intermediates; logits in fp32 with their grad. Compute: 6 x params x tokens (8 with
-    recompute) plus attention's 12 x layers x seq^2 x dim per sequence."""
+    recompute) plus attention's 12 x layers x seq^2 x dim per sequence; with ``plan``, also the step's aten
+    ops (count_step_ops) at the measured host cost of one op there (measure_op_seconds)."""
     m, t = cfg.model, cfg.train
     tokens = t.batch * t.seq_len
     block = tokens * (10 * m.dim + 3 * m.hidden_dim) * 4
     acts = (m.n_layers * tokens * m.dim * 4 + block) if t.gradient_checkpointing else m.n_layers * block
     acts += 3 * tokens * m.vocab_size * 4
-    host = 16 * n_params + local_world * (acts + BASE_HOST_BYTES)
+    host = 16 * n_params + local_world * (acts + BASE_HOST_BYTES) + pinned_rounding_bytes(cfg, n_params)
     factor = 8 if t.gradient_checkpointing else 6
     flops = local_world * (factor * n_params * tokens + 12 * m.n_layers * t.batch * t.seq_len**2 * m.dim)
+    step_ops = count_step_ops(cfg) if plan is not None else 0
     return Estimate(n_params=n_params, host_bytes=host, available_bytes=available_host_bytes(),
-                    step_flops=float(flops), cpu_flops=measure_cpu_flops())
+                    step_flops=float(flops), cpu_flops=measure_cpu_flops(),
+                    step_ops=local_world * step_ops, op_s=measure_op_seconds(plan) if step_ops else 0.0)
 
 
 def _fmt_s(s: float) -> str:
@@ -206,7 +282,8 @@ def describe(est: Estimate) -> str:
     avail = "" if est.available_bytes is None else f" of {est.available_bytes / GiB:.1f} GiB available"
     return (f"model: {est.n_params / 1e6:,.2f}M params; host RAM needed about {est.host_bytes / GiB:.1f} GiB{avail}; "
             f"estimated about {_fmt_s(est.step_s)} per step on this CPU "
-            f"({est.step_flops / 1e9:,.0f} GFLOP at a measured {est.cpu_flops / 1e9:.0f} GFLOP/s)")
+            f"({est.step_flops / 1e9:,.0f} GFLOP at a measured {est.cpu_flops / 1e9:.0f} GFLOP/s"
+            + (f", {est.step_ops:,} ops at a measured {est.op_s * 1e6:.0f} us each)" if est.step_ops else ")"))
 
 
 def check_fits(cfg: EngineConfig, est: Estimate) -> None:

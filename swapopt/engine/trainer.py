@@ -163,6 +163,10 @@ class TrainEngine:
         if self.world_size > 1:
             shard_model(model, self.torch_device)
         self.model = model.train()
+        # Which device each rank's params landed on: one line per rank, so a launch where ranks share a
+        # device shows it at once.
+        on = next(iter(model.parameters()), torch.empty(0, device=self.torch_device)).device
+        logger.info("rank {} of {}: params on {}", self.rank, self.world_size, on)
         self.optimizer = cfg.optim.build(self.model.parameters())
         self.swapping = isinstance(self.optimizer, SwapOptimizer)
         self.overlap = self.swapping and cfg.optim.overlap_forward

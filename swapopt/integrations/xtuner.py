@@ -1,38 +1,44 @@
-"""XTuner v1 integration: an ``AdamWConfig`` whose ``build(model)`` returns a swapping AdamW.
+"""XTuner v1 integration: XTuner's own ``AdamWConfig(swap_optimizer=True)`` builds a swapping AdamW.
 
-In an XTuner v1 config, change the import and keep the rest::
+Drop-in route (XTuner configs stay as they are)::
 
-    from swapopt.integrations.xtuner import AdamWConfig      # was: from xtuner.v1.config import AdamWConfig
+    import swapopt.integrations.xtuner as sx
+    sx.use_swapopt()        # in the config file, the launcher, or every Ray worker's start-up (see docs/xtuner.md)
+    from xtuner.v1.config import AdamWConfig
     optim_cfg = AdamWConfig(lr=6e-5, swap_optimizer=True, swap_optimizer_times=16)
 
-When ``xtuner.v1`` is importable the class subclasses ``xtuner.v1.config.AdamWConfig``, so every XTuner field,
-validator and CLI help stays; without XTuner it is a pydantic model with the same fields. The extra knobs
-``swap_optimizer_times``, ``chunk_mb``, ``slots`` and ``resident_mb`` are validated like ``swapopt.SwapConfig``.
+``use_swapopt()`` is idempotent and may run before or after XTuner's modules (or config instances) exist: it
+patches XTuner's ``AdamWConfig`` class in place, so every import of it sees the change. It
 
-How it meets XTuner's ``TrainEngine``:
+- keeps XTuner's fields, types and defaults (``swap_optimizer: Optional[bool] = False``) and adds the knobs
+  ``swap_optimizer_times`` (chunks per step), ``chunk_mb`` (fixed chunk budget, MiB, overrides it), ``slots``
+  (device staging buffers) and ``resident_mb`` (states that fit stay on the device), validated like
+  ``swapopt.SwapConfig``;
+- makes ``build(model)`` with ``swap_optimizer`` truthy return ``swapopt.SwapOptimizer`` around the exact
+  ``torch.optim.AdamW`` XTuner's own build makes with the flag off (same params, group, logging); with the
+  flag off XTuner's build runs untouched;
+- when XTuner's ``TrainEngine`` is importable, makes ``put_optimizer_to_device`` offload / onload swapopt's
+  optimizer (so with ``resident_mb > 0`` no optimizer byte stays on the device during rollout) and makes
+  ``load_dcp`` refuse multi-rank checkpoints written by XTuner's own ``SwapAdamW`` (see
+  ``check_optimizer_shards``), which would otherwise load with no moments and no error.
 
-- ``build_optimizer(optim_cfg)`` calls ``optim_cfg.build(model)``: one param group of the trainable params, as
-  XTuner builds it, returned as ``swapopt.SwapAdamW`` (``torch.optim.AdamW`` when ``swap_optimizer`` is off).
-- ``clip_grad_norm`` reads ``group.get("clip_grad", True)`` from ``optimizer.param_groups``: the wrapper's
-  param groups are the inner AdamW's own dicts, so keys added there are seen by both.
-- ``save_dcp`` / ``async_save_dcp`` / ``load_dcp`` go through ``get_optimizer_state_dict`` /
-  ``set_optimizer_state_dict``: the states are the pinned host tensors (DTensors over host shards under
-  FSDP2), loading writes into them, never onto the device. Checkpoints written by XTuner's own ``SwapAdamW``
-  (with ``max_exp_avg_sq: None`` entries) load and continue bitwise.
-- ``put_optimizer_to_device`` returns False because ``swap_optimizer`` is truthy, so the RL worker's
-  ``offload_optimizer`` / ``onload_optimizer`` and ``offload_optimizer_first_step`` leave the states where
-  they are: in pinned host memory, streamed through the device only inside ``step()``.
+Explicit route: ``from swapopt.integrations.xtuner import AdamWConfig`` (a subclass of XTuner's class when
+``xtuner.v1`` is importable, a pydantic model with the same fields otherwise), same fields and defaults.
 """
 
 from __future__ import annotations
 
+import functools
+import os
 from typing import Any, Optional, Tuple
 
 import torch
 from loguru import logger
 from pydantic import BaseModel, ConfigDict, Field
+from pydantic.fields import FieldInfo
 
-from swapopt.classes import SwapAdamW
+from swapopt.offload import offload as _offload, onload as _onload
+from swapopt.optimizer import SwapOptimizer
 
 try:
     from xtuner.v1.config import AdamWConfig as _XTunerAdamWConfig
@@ -41,7 +47,16 @@ except ImportError:  # XTuner v1 is not on the package registry; most installs t
 
 XTUNER_AVAILABLE = _XTunerAdamWConfig is not None
 
-__all__ = ["XTUNER_AVAILABLE", "AdamWConfig"]
+__all__ = ["XTUNER_AVAILABLE", "AdamWConfig", "SwapoptCheckpointError", "check_optimizer_shards", "use_swapopt"]
+
+# The knobs added to XTuner's config: name -> (annotation, field). Defaults are SwapOptimizer's.
+_KNOBS: dict[str, tuple[Any, Any]] = {
+    "swap_optimizer_times": (int, Field(default=16, ge=1, description="Chunks per optimizer step (swapopt).")),
+    "chunk_mb": (Optional[float], Field(default=None, gt=0, description="Fixed chunk budget in MiB (swapopt).")),
+    "slots": (int, Field(default=3, ge=1, description="Device staging buffers (swapopt).")),
+    "resident_mb": (float, Field(default=0.0, ge=0, description="MiB of states kept on the device (swapopt).")),
+}
+_PATCHED = "__swapopt_patched__"
 
 
 class _AdamWFields(BaseModel):
@@ -56,44 +71,162 @@ class _AdamWFields(BaseModel):
     betas: Tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
     foreach: Optional[bool] = None
+    swap_optimizer: Optional[bool] = False
+
+    def build(self, model: torch.nn.Module) -> torch.optim.Optimizer:
+        """XTuner's plain branch: AdamW over the trainable params, one group."""
+        params = [p for p in model.parameters() if p.requires_grad]
+        return torch.optim.AdamW(
+            params, lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay, foreach=self.foreach
+        )
+
+
+def _knob(cfg: BaseModel, name: str) -> Any:
+    # An instance made before use_swapopt() added the field has no value for it: use the default.
+    return cfg.__dict__.get(name, _KNOBS[name][1].default)
+
+
+def _swap_build(original):
+    @functools.wraps(original)
+    def build(self, model):
+        if not self.swap_optimizer:
+            return original(self, model)
+        # XTuner's own build with the flag off is the AdamW it would step without swapping: same params, group
+        # and logging. Wrapping that (instead of rebuilding the param list here) keeps bitwise parity with it.
+        inner = original(self.model_copy(update={"swap_optimizer": False}), model)
+        return SwapOptimizer(inner, **{name: _knob(self, name) for name in _KNOBS})
+
+    build.__swapopt_original__ = original
+    return build
+
+
+def _add_knobs(cls: type) -> None:
+    fields = cls.__pydantic_fields__
+    added = False
+    for name, (annotation, field) in _KNOBS.items():
+        if name not in fields:
+            fields[name] = FieldInfo.merge_field_infos(FieldInfo.from_annotation(annotation), field)
+            cls.__annotations__[name] = annotation
+            added = True
+    if added:
+        # Rebuild the validator so the new fields are accepted and checked (extra="forbid" refused them).
+        cls.model_rebuild(force=True)
+
+
+class SwapoptCheckpointError(RuntimeError):
+    """A checkpoint that would load wrong (silently) into this optimizer."""
+
+
+def check_optimizer_shards(checkpoint_id: str | os.PathLike) -> None:
+    """Raise ``SwapoptCheckpointError`` when a DCP checkpoint's ``optimizer.state.<fqn>.*`` tensors do not have
+    the global size of ``model.<fqn>``, or do not cover it.
+
+    XTuner's own ``SwapAdamW`` (up to at least commit b934f46) saves each rank's local shard as if it were the
+    whole state, and XTuner's load planner skips torch's size check: on more than one rank the moments then
+    load as nothing, with no error. One-rank checkpoints have matching sizes and pass.
+    """
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    meta = FileSystemReader(os.fspath(checkpoint_id)).read_metadata().state_dict_metadata
+    tensors = {k: v for k, v in meta.items() if isinstance(v, TensorStorageMetadata)}
+    bad, checked = [], 0
+    for key, md in tensors.items():
+        if not key.startswith("optimizer.state."):
+            continue
+        fqn, _, _state = key[len("optimizer.state."):].rpartition(".")
+        param = tensors.get(f"model.{fqn}")
+        if param is None or md.size.numel() <= 1 < param.size.numel():  # scalars such as ``step``
+            continue
+        checked += 1
+        covered = sum(torch.Size(c.sizes).numel() for c in md.chunks)
+        if md.size != param.size or covered != md.size.numel():
+            bad.append(f"{key} {list(md.size)} (chunks cover {covered}) vs model.{fqn} {list(param.size)}")
+    if bad:
+        raise SwapoptCheckpointError(
+            f"{os.fspath(checkpoint_id)}: {len(bad)} of {checked} optimizer states do not match their param's "
+            f"global size, e.g. {bad[0]}. This is a multi-rank checkpoint written by XTuner's own SwapAdamW, which "
+            "saved one rank's shards as whole states; loading it would leave the Adam moments unset. To continue, "
+            "load the model only and restart the moments (load_dcp(..., load_states=False), XTuner's "
+            "`load_optimizer_states=False`), or resume from a checkpoint saved with XTuner's plain AdamW or swapopt."
+        )
+
+
+def _engine_hooks(engine_cls: type) -> None:
+    put = engine_cls.put_optimizer_to_device
+    load = engine_cls.load_dcp
+
+    @functools.wraps(put)
+    def put_optimizer_to_device(self, device):
+        opt = getattr(self, "optimizer", None)
+        if not isinstance(opt, SwapOptimizer):
+            return put(self, device)
+        # XTuner skips its offload when swap_optimizer is set; swapopt's offload also moves resident states
+        # and device scalars to pinned memory, so the rollout sees no optimizer byte on the device.
+        if torch.device(device).type == "cpu":
+            _offload(opt, empty_cache=False)  # the worker empties the cache right after
+        else:
+            _onload(opt)
+        return False  # XTuner's "already CPU-resident" path: its log line and empty_cache stay as they are
+
+    @functools.wraps(load)
+    def load_dcp(self, weights_dir, load_states: bool = True, load_args: bool = True, *args, **kwargs):
+        if load_states:
+            check_optimizer_shards(weights_dir)
+        return load(self, weights_dir, load_states, load_args, *args, **kwargs)
+
+    engine_cls.put_optimizer_to_device = put_optimizer_to_device
+    engine_cls.load_dcp = load_dcp
+
+
+def use_swapopt(config_cls: type | None = None, engine_cls: type | None = None) -> None:
+    """Make XTuner's ``AdamWConfig(swap_optimizer=True)`` build swapopt; idempotent.
+
+    ``config_cls`` / ``engine_cls`` default to ``xtuner.v1.config.optim.AdamWConfig`` and
+    ``xtuner.v1.engine.train_engine.TrainEngine`` (pass a fork's classes to patch those instead). The engine
+    hooks are skipped when the engine cannot be imported (it needs ray and XTuner's kernels); the config
+    patch is not optional.
+    """
+    if config_cls is None:
+        try:
+            from xtuner.v1.config.optim import AdamWConfig as config_cls
+        except ImportError as e:
+            raise ImportError(
+                f"use_swapopt() patches XTuner v1's AdamWConfig, but `xtuner.v1.config` could not be imported ({e}). "
+                "Install XTuner v1 from its repository (pip install -e <checkout of InternLM/xtuner>) or put a "
+                "checkout on PYTHONPATH, or use `from swapopt.integrations.xtuner import AdamWConfig` instead."
+            ) from e
+        if engine_cls is None:
+            try:
+                from xtuner.v1.engine.train_engine import TrainEngine as engine_cls
+            except ImportError as e:
+                logger.debug("XTuner's TrainEngine is not importable ({}); patching its AdamWConfig only", e)
+    if not config_cls.__dict__.get(_PATCHED, False):
+        _add_knobs(config_cls)
+        config_cls.build = _swap_build(config_cls.build)
+        setattr(config_cls, _PATCHED, True)
+    if engine_cls is not None and not engine_cls.__dict__.get(_PATCHED, False):
+        _engine_hooks(engine_cls)
+        setattr(engine_cls, _PATCHED, True)
 
 
 _Base: Any = _XTunerAdamWConfig if XTUNER_AVAILABLE else _AdamWFields
 
 
 class AdamWConfig(_Base):
-    """XTuner's ``AdamWConfig`` with swapping on by default and swapopt's knobs.
-
-    ``swap_optimizer``: keep AdamW's states in pinned host memory and stream them during ``step()``;
-    ``swap_optimizer_times``: chunks per step; ``chunk_mb``: fixed chunk budget (MiB), overrides it;
-    ``slots``: device staging buffers; ``resident_mb``: states that fit stay on the device.
-    """
+    """XTuner's ``AdamWConfig`` (same defaults: ``swap_optimizer=False``) with swapopt's knobs, swapping when
+    ``swap_optimizer`` is on, without ``use_swapopt()``."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
-    swap_optimizer: bool = True
-    swap_optimizer_times: int = Field(default=16, ge=1)
-    chunk_mb: Optional[float] = Field(default=None, gt=0)
-    slots: int = Field(default=3, ge=1)
-    resident_mb: float = Field(default=0.0, ge=0)
+    swap_optimizer: Optional[bool] = False
+    swap_optimizer_times: int = _KNOBS["swap_optimizer_times"][1]
+    chunk_mb: Optional[float] = _KNOBS["chunk_mb"][1]
+    slots: int = _KNOBS["slots"][1]
+    resident_mb: float = _KNOBS["resident_mb"][1]
 
-    def build(self, model: torch.nn.Module) -> torch.optim.Optimizer:
-        """The optimizer XTuner's ``TrainEngine.build_optimizer`` installs: AdamW over the trainable params
-        (one group, XTuner's layout), swapping when ``swap_optimizer`` is on."""
-        params = [p for p in model.parameters() if p.requires_grad]
-        total = sum(p.numel() for p in model.parameters())
-        logger.info(
-            "AdamW over {:.2f}M trainable of {:.2f}M params, swap_optimizer={}",
-            sum(p.numel() for p in params) / 1e6, total / 1e6, self.swap_optimizer,
-        )
-        kwargs = dict(lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay, foreach=self.foreach)
-        if not self.swap_optimizer:
-            return torch.optim.AdamW(params, **kwargs)
-        return SwapAdamW(
-            params,
-            **kwargs,
-            swap_optimizer_times=self.swap_optimizer_times,
-            chunk_mb=self.chunk_mb,
-            slots=self.slots,
-            resident_mb=self.resident_mb,
-        )
+
+# The explicit class builds swapopt whether or not use_swapopt() is ever called. Its knobs are declared above,
+# so only the build is wrapped; it wraps the base build (XTuner's or the stand-in fields'), not a patched one.
+AdamWConfig.build = _swap_build(getattr(_Base.build, "__swapopt_original__", _Base.build))
+setattr(AdamWConfig, _PATCHED, True)

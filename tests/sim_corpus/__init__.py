@@ -5,6 +5,11 @@ ordered only by event waits, stream waits, synchronizes and blocking copies), Py
 rules (a freed block goes back to its allocation stream's pool, so other streams' pending uses need
 `record_stream` or a wait) and the checks of `torch/cuda/_sanitizer.py`. A program labelled RACE must be
 reported (during the program or at the latest when the simulator exits); an OK program must run clean.
+
+A RACE program names the race it shows, and the test asserts exactly that one: an access race by the op that
+makes the later access (`op`) and the op it conflicts with (`earlier`), a use-after-free race by the op on
+another stream that the free may overtake (`free`). Helpers add no race of their own, so that switching one
+check of the sanitizer off leaves that check's programs running clean instead of failing on a side race.
 """
 
 from __future__ import annotations
@@ -21,16 +26,27 @@ class Program:
     group: str
     label: str
     run: Callable  # run(sim) -> None
+    kind: str | None = None  # StreamRaceError.kind of a RACE program: "access" or "free"
+    op: str | None = None  # the later access's op (access races)
+    earlier: str | None = None  # the earlier access's op: the one racing `op`, or the one a free overtakes
 
 
 PROGRAMS: list[Program] = []
 
 
-def program(group: str, label: str) -> Callable[[Callable], Callable]:
-    """Register a program of `group` labelled `label` (RACE or OK)."""
+def program(
+    group: str, label: str, *, op: str | None = None, earlier: str | None = None, free: str | None = None
+) -> Callable[[Callable], Callable]:
+    """Register a program of `group` labelled `label` (RACE or OK); a RACE program names its race: an access
+    race by `op` and `earlier`, a use-after-free race by `free` (the op the free may overtake)."""
+    if label == RACE:
+        assert (op is not None and earlier is not None) != (free is not None), "name the access race or the free race"
+    else:
+        assert op is None and earlier is None and free is None, "an OK program shows no race"
+    kind = None if label == OK else ("free" if free is not None else "access")
 
     def register(fn: Callable) -> Callable:
-        PROGRAMS.append(Program(fn.__name__, group, label, fn))
+        PROGRAMS.append(Program(fn.__name__, group, label, fn, kind, op, free if free is not None else earlier))
         return fn
 
     return register

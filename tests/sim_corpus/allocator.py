@@ -10,7 +10,7 @@ from .common import N, h2d, pinned, side_stream
 G = "allocator"
 
 
-@program(G, RACE)
+@program(G, RACE, op="aten.fill_.Scalar", earlier="aten.empty.memory_format (allocation)")
 def block_from_compute_used_on_side_without_wait(sim):
     x = torch.empty(N)  # its last user on compute may still be queued
     side = sim.Stream()
@@ -28,7 +28,7 @@ def block_from_compute_used_on_side_after_wait(sim):
     x.sum()
 
 
-@program(G, RACE)
+@program(G, RACE, free="aten.copy_.default")
 def free_while_side_stream_uses_it(sim):
     staging = torch.empty(N)
     side = side_stream(sim)
@@ -87,7 +87,7 @@ def block_allocated_and_freed_on_side(sim):
     sim.synchronize()
 
 
-@program(G, RACE)
+@program(G, RACE, op="aten.sum.default", earlier="aten.ones.default")
 def block_allocated_on_side_read_on_compute(sim):
     side = sim.Stream()
     with sim.stream(side):
@@ -112,7 +112,7 @@ def per_iteration_staging_with_record_stream(sim):
     sim.synchronize()
 
 
-@program(G, RACE)
+@program(G, RACE, op="aten.fill_.Scalar", earlier="(allocation)")
 def resized_block_used_on_side_without_wait(sim):
     x = torch.empty(0)
     x.resize_(N)

@@ -51,7 +51,7 @@ def forward_on_compute_backward_called_on_side(sim):
     sim.synchronize()
 
 
-@program(G, RACE)
+@program(G, RACE, op="aten.sum.default", earlier="aten.mm.default")
 def grad_read_on_a_third_stream_without_wait(sim):
     w, x = _model()
     side = side_stream(sim)
@@ -62,7 +62,7 @@ def grad_read_on_a_third_stream_without_wait(sim):
         w.grad.sum()
 
 
-@program(G, RACE)
+@program(G, RACE, op="aten.sum.default", earlier="aten.mm.default")
 def forward_output_of_side_used_on_compute_without_wait(sim):
     w, x = _model()
     side = side_stream(sim)
@@ -71,7 +71,7 @@ def forward_output_of_side_used_on_compute_without_wait(sim):
     y.sum().backward()
 
 
-@program(G, RACE)
+@program(G, RACE, op="aten.zero_.default", earlier="aten.mm.default")
 def compute_overwrites_input_saved_by_a_side_forward(sim):
     w, x = _model()
     side = side_stream(sim)

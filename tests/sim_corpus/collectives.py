@@ -25,7 +25,7 @@ def async_all_reduce_then_wait(sim):
     sim.synchronize()
 
 
-@program(G, RACE)
+@program(G, RACE, op="aten.mul_.Tensor", earlier="c10d.allreduce_.default")
 def async_all_reduce_written_before_wait(sim):
     group()
     t = torch.ones(64)
@@ -34,7 +34,7 @@ def async_all_reduce_written_before_wait(sim):
     work.wait()
 
 
-@program(G, RACE)
+@program(G, RACE, op="aten.sum.default", earlier="c10d.allreduce_.default")
 def async_all_reduce_read_before_wait(sim):
     group()
     t = torch.ones(64)

@@ -29,6 +29,9 @@ def h2d(sim, stream, n: int = N):
     stream.wait_stream(sim.default_stream())
     with sim.stream(stream):
         dst.copy_(host, non_blocking=True)
+    # dst came from the compute stream's pool: recording `stream` keeps its free from racing the copy, so
+    # the only race a program shows is the one it is labelled with.
+    dst.record_stream(stream)
     return host, dst
 
 
@@ -39,4 +42,6 @@ def d2h(sim, stream, n: int = N):
     stream.wait_stream(sim.default_stream())
     with sim.stream(stream):
         host.copy_(src, non_blocking=True)
+    # As in h2d: dropping src later must not add a free race of the helper's own.
+    src.record_stream(stream)
     return src, host

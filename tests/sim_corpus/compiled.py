@@ -17,7 +17,7 @@ def _scale(x: torch.Tensor) -> torch.Tensor:
 G = "compiled"
 
 
-@program(G, RACE)
+@program(G, RACE, op="aten.mul.Tensor", earlier="aten.copy_.default")
 def compiled_read_of_an_inflight_h2d(sim):
     side = sim.Stream()
     _, dst = h2d(sim, side)
@@ -32,7 +32,7 @@ def compiled_read_after_wait(sim):
     assert torch.equal(_scale(dst), torch.full_like(dst, 3.0))
 
 
-@program(G, RACE)
+@program(G, RACE, op="aten.sum.default", earlier="aten.add.Tensor")
 def compiled_on_side_stream_output_read_on_compute(sim):
     x = torch.ones(64)
     side = side_stream(sim)

@@ -14,7 +14,7 @@ from .common import N, d2h, h2d, side_stream
 G = "copies"
 
 
-@program(G, RACE)
+@program(G, RACE, op="aten.sum.default", earlier="aten.copy_.default")
 def d2h_pinned_host_read_before_sync(sim):
     _, host = d2h(sim, sim.Stream())
     host.sum()
@@ -39,7 +39,7 @@ def d2h_into_pageable_is_blocking(sim):
     sim.synchronize()
 
 
-@program(G, RACE)
+@program(G, RACE, op="aten.fill_.Scalar", earlier="aten.copy_.default")
 def host_overwrites_pinned_source_of_inflight_h2d(sim):
     side = sim.Stream()
     host, dst = h2d(sim, side)
@@ -65,7 +65,7 @@ def blocking_d2h_into_pinned(sim):
     host.sum()
 
 
-@program(G, RACE)
+@program(G, RACE, op="Tensor.tolist", earlier="aten.copy_.default")
 def tolist_of_pinned_before_d2h_finishes(sim):
     _, host = d2h(sim, sim.Stream())
     host.tolist()
@@ -78,13 +78,13 @@ def tolist_of_pinned_after_sync(sim):
     host.tolist()
 
 
-@program(G, RACE)
+@program(G, RACE, op="Tensor.numpy", earlier="aten.copy_.default")
 def numpy_of_pinned_before_d2h_finishes(sim):
     _, host = d2h(sim, sim.Stream())
     host.numpy().sum()
 
 
-@program(G, RACE)
+@program(G, RACE, op="torch.save", earlier="aten.copy_.default")
 def torch_save_of_pinned_before_d2h_finishes(sim):
     _, host = d2h(sim, sim.Stream())
     torch.save({"state": host}, io.BytesIO())
@@ -98,7 +98,7 @@ def torch_save_of_pinned_after_sync(sim):
     torch.save({"state": host}, io.BytesIO())
 
 
-@program(G, RACE)
+@program(G, RACE, op="Tensor.__dlpack__", earlier="aten.copy_.default")
 def dlpack_of_pinned_before_d2h_finishes(sim):
     _, host = d2h(sim, sim.Stream())
     torch.from_dlpack(host)
@@ -110,7 +110,7 @@ def tolist_of_device_tensor_syncs(sim):
     assert x.tolist() == [2.0] * 4  # a blocking D2H on the current stream
 
 
-@program(G, RACE)
+@program(G, RACE, op="aten.fill_.Scalar", earlier="aten.copy_.default")
 def host_writes_pinned_target_of_inflight_d2h(sim):
     _, host = d2h(sim, sim.Stream())
     host.fill_(0.0)

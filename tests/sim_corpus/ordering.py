@@ -10,7 +10,7 @@ from .common import h2d, side_stream
 G = "ordering"
 
 
-@program(G, RACE)
+@program(G, RACE, op="aten.sum.default", earlier="aten.copy_.default")
 def h2d_then_compute_read_without_wait(sim):
     side = sim.Stream()
     _, dst = h2d(sim, side)
@@ -57,7 +57,7 @@ def h2d_then_event_synchronize(sim):
     dst.sum()
 
 
-@program(G, RACE)
+@program(G, RACE, op="aten.sum.default", earlier="aten.copy_.default")
 def wait_on_event_recorded_before_the_copy(sim):
     side = sim.Stream()
     early = side.record_event()
@@ -66,7 +66,7 @@ def wait_on_event_recorded_before_the_copy(sim):
     dst.sum()
 
 
-@program(G, RACE)
+@program(G, RACE, op="aten.add_.Tensor", earlier="aten.copy_.default")
 def wait_on_unrelated_stream(sim):
     side, other = sim.Stream(), sim.Stream()
     _, dst = h2d(sim, side)
@@ -94,7 +94,7 @@ def two_streams_read_the_same_tensor(sim):
     del a, b
 
 
-@program(G, RACE)
+@program(G, RACE, op="aten.mul_.Tensor", earlier="aten.add_.Tensor")
 def two_streams_write_the_same_tensor(sim):
     x = torch.ones(64)
     side = side_stream(sim)
@@ -103,7 +103,7 @@ def two_streams_write_the_same_tensor(sim):
     x.mul_(2)
 
 
-@program(G, RACE)
+@program(G, RACE, op="aten.sum.default", earlier="aten.fill_.Scalar")
 def compute_writes_then_side_reads_without_wait(sim):
     x = torch.ones(64)
     side = side_stream(sim)
@@ -122,7 +122,7 @@ def successful_query_orders_the_host(sim):
     dst.sum()  # the compute launch follows the host, which saw the copy finish
 
 
-@program(G, RACE)
+@program(G, RACE, op="aten.zero_.default", earlier="aten.mul.Tensor")
 def write_after_read_on_another_stream(sim):
     x = torch.ones(64)
     side = side_stream(sim)

@@ -13,7 +13,7 @@ from .common import h2d, side_stream
 G = "storages"
 
 
-@program(G, RACE)
+@program(G, RACE, op="aten.copy_.default", earlier="aten.copy_.default")
 def deepcopy_of_a_tensor_being_written(sim):
     side = sim.Stream()
     _, dst = h2d(sim, side)
@@ -30,7 +30,7 @@ def deepcopy_after_wait_is_device_memory(sim):
     clone.add_(dst)  # device + device: no mixing error
 
 
-@program(G, RACE)
+@program(G, RACE, op="aten.copy_.default", earlier="aten.copy_.default")
 def storage_clone_of_a_tensor_being_written(sim):
     side = sim.Stream()
     _, dst = h2d(sim, side)

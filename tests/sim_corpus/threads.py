@@ -39,14 +39,14 @@ def worker_fills_pinned_buffer_then_h2d(sim):
     sim.synchronize()
 
 
-@program(G, RACE)
+@program(G, RACE, op="aten.fill_.Scalar", earlier="aten.copy_.default")
 def worker_writes_pinned_buffer_an_h2d_reads(sim):
     side = sim.Stream()
     host, dst = h2d(sim, side)
     _in_thread(lambda: host.fill_(4.0))  # the copy may still be reading it
 
 
-@program(G, RACE)
+@program(G, RACE, op="aten.sum.default", earlier="aten.copy_.default")
 def worker_runs_on_the_default_stream(sim):
     host = pinned()
     dst = torch.empty(N)
@@ -69,7 +69,7 @@ def worker_waits_for_the_side_stream(sim):
     sim.synchronize()
 
 
-@program(G, RACE)
+@program(G, RACE, op="aten.sum.default", earlier="aten.fill_.Scalar")
 def join_does_not_order_the_workers_stream(sim):
     x = torch.zeros(N)
     side = side_stream(sim)

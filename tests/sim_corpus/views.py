@@ -25,7 +25,7 @@ def interleaved_halves(sim):
     _on_two_streams(sim, lambda: x[0::2].fill_(1), lambda: x[1::2].fill_(2))
 
 
-@program(G, RACE)
+@program(G, RACE, op="aten.fill_.Scalar", earlier="aten.fill_.Scalar")
 def interleaved_overlapping_strides(sim):
     x = torch.zeros(64)
     _on_two_streams(sim, lambda: x[0::2].fill_(1), lambda: x[0::4].fill_(2))
@@ -37,7 +37,7 @@ def column_blocks(sim):
     _on_two_streams(sim, lambda: m[:, :16].fill_(1), lambda: m[:, 16:].fill_(2))
 
 
-@program(G, RACE)
+@program(G, RACE, op="aten.fill_.Scalar", earlier="aten.fill_.Scalar")
 def overlapping_column_blocks(sim):
     m = torch.zeros(8, 32)
     _on_two_streams(sim, lambda: m[:, :16].fill_(1), lambda: m[:, 8:24].fill_(2))
@@ -49,7 +49,7 @@ def separate_rows(sim):
     _on_two_streams(sim, lambda: m[0].fill_(1), lambda: m[1].fill_(2))
 
 
-@program(G, RACE)
+@program(G, RACE, op="aten.sum.default", earlier="aten.fill_.Scalar")
 def transposed_read_of_a_written_block(sim):
     m = torch.zeros(8, 8)
     _on_two_streams(sim, lambda: m.fill_(1), lambda: m.t().sum())
@@ -61,7 +61,7 @@ def diagonal_and_off_diagonal(sim):
     _on_two_streams(sim, lambda: m.diagonal().fill_(1), lambda: m[0, 1:].fill_(2))
 
 
-@program(G, RACE)
+@program(G, RACE, op="aten.fill_.Scalar", earlier="aten.fill_.Scalar")
 def diagonal_and_first_row(sim):
     m = torch.zeros(8, 8)
     _on_two_streams(sim, lambda: m.diagonal().fill_(1), lambda: m[0].fill_(2))

@@ -1,0 +1,26 @@
+"""The mutation registry runs in the suite: every README promise it lists must still be guarded by tests
+that fail when its mechanism is switched off. One subprocess runs every entry (in-process pytest runs, one
+per mutation, so patches never leak into this session)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from mutations import REGISTRY
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_registry_names_each_mutation_once_with_its_tests():
+    assert len({m.name for m in REGISTRY}) == len(REGISTRY)
+    assert all(m.tests and all(t.startswith("tests/") and "::" in t for t in m.tests) for m in REGISTRY)
+
+
+def test_every_mutation_makes_its_tests_fail():
+    done = subprocess.run([sys.executable, "-m", "tests.mutations"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    summary = done.stdout[done.stdout.rfind("\nmutations:"):]
+    assert done.returncode == 0, summary or done.stdout + done.stderr
+    assert summary.count("caught") == len(REGISTRY), summary

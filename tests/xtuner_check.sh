@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Run the XTuner checks against a checkout of InternLM/xtuner (XTuner v1 is not on the package registry).
+#   tests/xtuner_check.sh /path/to/xtuner            # a checkout; its commit is printed with the results
+# Needs XTuner's config dependencies (pip install cyclopts); the checks run on the simulator, no GPU needed.
+# After a pass, record the commit in tests/xtuner_real.py (CHECKED_COMMIT) and docs/xtuner.md.
+set -euo pipefail
+src="$(cd "${1:?usage: tests/xtuner_check.sh /path/to/xtuner-checkout}" && pwd)"
+cd "$(dirname "$0")/.."
+export SWAPOPT_XTUNER_SRC="$src"
+PYTHONPATH=tests python - <<'PY'
+import sys, xtuner_real  # noqa: E401
+sys.exit(0 if xtuner_real.xtuner_module("xtuner.v1.config.optim") else "xtuner.v1.config is not importable from $SWAPOPT_XTUNER_SRC")
+PY
+# An exported tree (git archive) has no .git: name the commit with SWAPOPT_XTUNER_COMMIT then.
+commit="${SWAPOPT_XTUNER_COMMIT:-$(git -C "$src" rev-parse --verify -q HEAD 2>/dev/null || echo unknown)}"
+python -m pytest -q -p no:cacheprovider -rs \
+  tests/test_xtuner_use_swapopt.py tests/test_xtuner_dist.py tests/test_integration_xtuner.py
+echo "XTuner checks passed on InternLM/xtuner ${commit}"

@@ -1,0 +1,55 @@
+"""Finding a real XTuner v1 for the tests that need one.
+
+XTuner v1 is not on the package registry. Tests use it when ``xtuner.v1`` is importable, or when
+``SWAPOPT_XTUNER_SRC`` names a checkout of InternLM/xtuner (put first on ``sys.path``); otherwise they skip.
+``tests/xtuner_check.sh`` runs them against a checkout. Its config module needs ``cyclopts`` and ``pydantic``;
+its TrainEngine also needs ``ray`` and XTuner's other dependencies.
+
+Last passed on (tests/test_xtuner_use_swapopt.py, config route, 1 rank, simulator):
+InternLM/xtuner b934f462095c1e750229de35367c50ae36caa786.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+CHECKED_COMMIT = "b934f462095c1e750229de35367c50ae36caa786"
+
+_src = os.environ.get("SWAPOPT_XTUNER_SRC")
+if _src and _src not in sys.path:
+    sys.path.insert(0, _src)
+
+
+def xtuner_module(name: str):
+    """The XTuner module, or None when XTuner (or one of its dependencies) is not importable."""
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
+
+
+def _import_xtuner_on_the_simulator() -> None:
+    """XTuner resolves its device once, at import, and knows only cpu, cuda, npu and mlu: under
+    ``SWAPOPT_DEVICE=sim`` (subprocess ranks) the accelerator is ``sim`` and the import fails. Import it as if on
+    the CPU, then point its SwapAdamW's module-level device at the simulator, the only XTuner code tested here
+    that moves tensors itself."""
+    import torch
+
+    import device  # under SWAPOPT_DEVICE=sim this starts the simulator, which XTuner would then see
+
+    if not torch.accelerator.is_available() or torch.accelerator.current_accelerator().type in ("cuda", "npu"):
+        return
+    real = torch.accelerator.current_accelerator
+    torch.accelerator.current_accelerator = lambda *a, **k: torch.device("cpu")
+    try:
+        swap_adamw = xtuner_module("xtuner.v1.optim.swap_adamw")
+    finally:
+        torch.accelerator.current_accelerator = real
+    if swap_adamw is not None:
+        swap_adamw.DEVICE = device.torch_device().type
+        swap_adamw.DEVICE_MODULE = device.get_torch_device_module()
+
+
+_import_xtuner_on_the_simulator()
