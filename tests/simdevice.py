@@ -27,6 +27,18 @@ def on_device(device: Any) -> Iterator[Any]:
 
 
 @contextmanager
+def host_default() -> Iterator[None]:
+    """torch's default device is the host's for the block, as in a training script whose framework places
+    the model and the batches (the frameworks' tests)."""
+    previous = torch.get_default_device()
+    torch.set_default_device("cpu")
+    try:
+        yield
+    finally:
+        torch.set_default_device(previous)
+
+
+@contextmanager
 def activate(*args: Any, **kwargs: Any) -> Iterator[Any]:
     with _activate(*args, **kwargs) as device, on_device(device):
         yield device

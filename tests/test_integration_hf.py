@@ -17,6 +17,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback
 from dist_utils import assert_host_states  # noqa: E402
 
 import device  # noqa: E402
+import simdevice  # noqa: E402
 from swapopt import SwapAdamW, SwapOptimizer  # noqa: E402
 from swapopt.integrations.hf import swap_optimizer_cls_and_kwargs  # noqa: E402
 
@@ -78,12 +79,10 @@ def hf_on_sim(sim, monkeypatch):
     monkeypatch.setenv("ACCELERATE_TORCH_DEVICE", str(device.torch_device()))
     monkeypatch.setenv("SWAPOPT_SIM_DEVICES", "1")  # one device visible (CUDA_VISIBLE_DEVICES=0): no DataParallel
     AcceleratorState._reset_state(reset_partial_state=True)
-    previous = torch.get_default_device()
-    torch.set_default_device("cpu")
     try:
-        yield sim
+        with simdevice.host_default():
+            yield sim
     finally:
-        torch.set_default_device(previous)
         AcceleratorState._reset_state(reset_partial_state=True)
 
 

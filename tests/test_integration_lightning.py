@@ -17,6 +17,7 @@ from lightning.pytorch.strategies import SingleDeviceStrategy  # noqa: E402
 from dist_utils import assert_host_states  # noqa: E402
 
 import device  # noqa: E402
+import simdevice  # noqa: E402
 from swapopt import SwapAdamW, SwapOptimizer  # noqa: E402
 from swapopt.integrations.lightning import SwapSingleDeviceStrategy, keep_states_on_host  # noqa: E402
 
@@ -118,12 +119,8 @@ def device_module():
 def on_accelerator(sim):
     """Lightning on the simulated accelerator (SimAccelerator, strategies on its device). torch's default device
     is the host's, as in a training script: Lightning places the model and the batches."""
-    previous = torch.get_default_device()
-    torch.set_default_device("cpu")
-    try:
+    with simdevice.host_default():
         yield sim
-    finally:
-        torch.set_default_device(previous)
 
 
 def test_resume_keeps_states_on_host_and_matches_adamw(on_accelerator, tmp_path, monkeypatch):

@@ -28,15 +28,17 @@ Explicit route: ``from swapopt.integrations.xtuner import AdamWConfig`` (a subcl
 
 from __future__ import annotations
 
+import copy
 import functools
 import os
 from typing import Any, Optional, Tuple
 
 import torch
 from loguru import logger
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict
 from pydantic.fields import FieldInfo
 
+from swapopt.config import SwapConfig
 from swapopt.offload import offload as _offload, onload as _onload
 from swapopt.optimizer import SwapOptimizer
 
@@ -49,12 +51,10 @@ XTUNER_AVAILABLE = _XTunerAdamWConfig is not None
 
 __all__ = ["XTUNER_AVAILABLE", "AdamWConfig", "SwapoptCheckpointError", "check_optimizer_shards", "use_swapopt"]
 
-# The knobs added to XTuner's config: name -> (annotation, field). Defaults are SwapOptimizer's.
+# The knobs added to XTuner's config: name -> (annotation, field), declared once, in SwapConfig.
 _KNOBS: dict[str, tuple[Any, Any]] = {
-    "swap_optimizer_times": (int, Field(default=16, ge=1, description="Chunks per optimizer step (swapopt).")),
-    "chunk_mb": (Optional[float], Field(default=None, gt=0, description="Fixed chunk budget in MiB (swapopt).")),
-    "slots": (int, Field(default=3, ge=1, description="Device staging buffers (swapopt).")),
-    "resident_mb": (float, Field(default=0.0, ge=0, description="MiB of states kept on the device (swapopt).")),
+    name: (SwapConfig.model_fields[name].annotation, copy.copy(SwapConfig.model_fields[name]))
+    for name in ("swap_optimizer_times", "chunk_mb", "slots", "resident_mb")
 }
 _PATCHED = "__swapopt_patched__"
 
