@@ -8,6 +8,7 @@ pinned tensors for states that have none yet), after the whole state dict has be
 
 from __future__ import annotations
 
+import warnings
 from collections import defaultdict
 from copy import deepcopy
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from loguru import logger
 import device
 from swapopt import hoststate, internals, statespec
 from swapopt.hoststate import ELEMENTWISE, is_dtensor
+from swapopt.masters import MASTER_KEY
 
 def state_dict(opt) -> dict[str, Any]:
     """The inner optimizer's state dict, its swapped states being the host tensors themselves.
@@ -38,6 +40,14 @@ def state_dict(opt) -> dict[str, Any]:
     arenas = layout.arenas if layout is not None else None
     if arenas is not None and len(arenas):  # new dicts: the inner's state_dict shares the per-param ones
         sd["state"] = {i: {k: arenas.own_bytes(v) for k, v in st.items()} for i, st in sd["state"].items()}
+    masters = opt._ctx.masters
+    if masters.ready:
+        # Note [master weights]: each master that holds a value goes with its param's state, in host memory.
+        sd["state"] = {i: dict(st) for i, st in sd["state"].items()}
+        for i, p in _indexed_params(opt):
+            if p in masters.ready:
+                master = masters.get(p)
+                sd["state"].setdefault(i, {})[MASTER_KEY] = arenas.own_bytes(master) if arenas is not None else master
     for hook in internals.state_dict_hooks(opt, "state_dict_post"):
         result = hook(opt, sd)
         if result is not None:
@@ -102,11 +112,16 @@ def load_state_dict(opt, state_dict: dict[str, Any]) -> None:
     specs: dict[tuple, dict[str, statespec.KeySpec] | None] = {}
     new_state: defaultdict[torch.Tensor, dict[Any, Any]] = defaultdict(dict)
     copies: list[_Copy] = []
+    masters = opt._ctx.masters
+    master_copies: list[_Copy] = []  # Note [master weights]: loaded into the masters, not into opt.state
     for saved_id, values in saved_state.items():
         p = id_map[saved_id]
         index = index_of[id(p)]
         if not isinstance(values, dict):
             raise ValueError(f"param {index} ({saved_id!r}): state must be a dict, got {type(values)}")
+        if MASTER_KEY in values:
+            values = dict(values)
+            master_copies.append(_plan_master(opt, p, index, values.pop(MASTER_KEY)))
         spec = _spec(opt, specs, saved_groups[group_of[id(p)]], group_of[id(p)], p)
         if spec:
             statespec.check_keys(spec, index, values, name)
@@ -136,12 +151,12 @@ def load_state_dict(opt, state_dict: dict[str, Any]) -> None:
     # 4. Try every copy on one element: a value that cannot be copied (a meta tensor, say) is refused now.
     opt.wait_for_swap_out()  # values may be this optimizer's own host tensors, still written by swap-outs
     scratch: dict[torch.dtype, torch.Tensor] = {}
-    for c in copies:
+    for c in copies + master_copies:
         _try_copy(c, scratch)
 
     # 5. New host tensors are allocated and filled first: a failure here leaves the optimizer as it was.
     staged: dict[int, torch.Tensor] = {}
-    for c in copies:
+    for c in copies + master_copies:
         if not c.in_place:
             dst = hoststate.new_host_like(c.param, c.dtype) if c.shape is None \
                 else device.pinned_empty(c.shape, dtype=c.dtype)
@@ -152,7 +167,7 @@ def load_state_dict(opt, state_dict: dict[str, Any]) -> None:
     written: list[tuple[int, Any]] = []
     current: _Copy | None = None
     try:
-        for c in copies:
+        for c in copies + master_copies:
             if c.in_place:
                 current = c
                 dst_local = hoststate.local(c.dst)
@@ -188,9 +203,64 @@ def load_state_dict(opt, state_dict: dict[str, Any]) -> None:
         group.update(new)
     for key, value in stand_in.defaults.items():
         inner.defaults.setdefault(key, value)
+    _commit_masters(opt, masters, master_copies, staged, new_state)
 
     for hook in internals.state_dict_hooks(opt, "load_state_dict_post"):
         hook(opt)
+
+
+def _indexed_params(opt) -> list[tuple[int, torch.Tensor]]:
+    """(index, param) as torch's Optimizer.state_dict numbers params: by position over the groups, a param
+    listed twice keeping its first index."""
+    out, seen, start = [], set(), 0
+    for group in opt.param_groups:
+        for i, p in enumerate(group["params"], start):
+            if id(p) not in seen:
+                seen.add(id(p))
+                out.append((i, p))
+        start += len(group["params"])
+    return out
+
+
+def _plan_master(opt, p: torch.Tensor, index: int, value: Any) -> _Copy:
+    """The copy of a saved master into p's master (the one it has, else a new pinned fp32 tensor)."""
+    where = f"param {index}, state {MASTER_KEY!r}"
+    masters = opt._ctx.masters
+    if not masters.wanted(p):
+        raise ValueError(
+            f"{where}: the state dict holds an fp32 master for a param that has none here (master_weights is "
+            f"{'on, but the param is ' + str(hoststate.local(p).dtype) if masters.enabled else 'off'}); load it "
+            "into SwapOptimizer(..., master_weights=True) over the same low-precision params"
+        )
+    if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(p.shape):
+        shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+        raise ValueError(f"{where}: {shape}, but the master of a param of shape {tuple(p.shape)} has its shape")
+    existing = masters.get(p)
+    if existing is not None and not device.is_host_tensor(existing):
+        existing = None
+    return _Copy(param=p, index=index, key=MASTER_KEY, src=_local_piece(existing if existing is not None else p, value, where),
+                 dst=existing, dtype=torch.float32)
+
+
+def _commit_masters(opt, masters: Any, copies: list[_Copy], staged: dict[int, torch.Tensor], new_state: dict) -> None:
+    """Point the loaded params at their masters; a param loaded with states but without a master gets one
+    made from it at its next step, said once (a checkpoint of training without master weights)."""
+    loaded = {id(c.param) for c in copies}
+    for c in copies:
+        if not c.in_place:
+            masters.set(c.param, staged[id(c)])
+        masters.ready.add(c.param)
+    missing = [p for p, values in new_state.items() if values and masters.wanted(p) and id(p) not in loaded]
+    if missing:
+        masters.forget_missing(missing)
+        if not masters.warned_missing:
+            masters.warned_missing = True
+            warnings.warn(
+                f"swapopt: the loaded state dict has no fp32 master for {len(missing)} low-precision param(s) (saved "
+                "without master_weights); their masters are made from the params at the next step, so the "
+                "precision the params lost in rounding is not recovered",
+                stacklevel=4,
+            )
 
 
 def _spec_key(gi: int, p: torch.Tensor) -> tuple:
@@ -259,7 +329,7 @@ def _plan_param(opt, p: torch.Tensor, index: int, values: dict[Any, Any],
             copies.append(c)
             out[key] = value
         elif isinstance(value, torch.Tensor):
-            out[key] = _small_tensor(p, key, value, step_on_device)
+            out[key] = _small_tensor(p, key, value, step_on_device, opt._ctx.masters.state_dtype(p))
         else:
             out[key] = deepcopy(value)
     return out, copies
@@ -278,8 +348,8 @@ def _plan_swapped(opt, p: torch.Tensor, index: int, key: Any, value: torch.Tenso
         ref = None
     if existing is not None:
         dtype = existing.dtype
-    else:
-        dtype = p.dtype if p.is_floating_point() else value.dtype
+    else:  # the dtype the optimizer steps p in: fp32 for a param stepped through its master
+        dtype = opt._ctx.masters.state_dtype(p) if p.is_floating_point() else value.dtype
     if not torch.can_cast(value.dtype, dtype):
         raise ValueError(f"{where}: dtype {value.dtype} cannot be cast to {dtype}")
     if ref is None:
@@ -312,8 +382,9 @@ def _local_piece(ref: torch.Tensor, value: torch.Tensor, where: str) -> torch.Te
     return value
 
 
-def _small_tensor(p: torch.Tensor, key: Any, value: torch.Tensor, step_on_device: bool) -> torch.Tensor:
-    """A new unswapped tensor state (``step`` and other scalars), placed as torch places it."""
+def _small_tensor(p: torch.Tensor, key: Any, value: torch.Tensor, step_on_device: bool, dtype: torch.dtype) -> torch.Tensor:
+    """A new unswapped tensor state (``step`` and other scalars), placed as torch places it; other floating
+    states take ``dtype``, the dtype the optimizer steps p in (torch's: the param's)."""
     target = hoststate.local(p)
     if key == "step":
         if step_on_device:
@@ -323,5 +394,4 @@ def _small_tensor(p: torch.Tensor, key: Any, value: torch.Tensor, step_on_device
             # not an alias of the caller's tensor.
             return torch.tensor(value.item(), dtype=value.dtype, device="cpu")
         return value.clone()
-    dtype = target.dtype if target.is_floating_point() else value.dtype
-    return value.to(dtype=dtype, device=target.device)
+    return value.to(dtype=dtype if target.is_floating_point() else value.dtype, device=target.device)

@@ -15,12 +15,11 @@ from typing import Any
 
 import torch
 
+from swapopt.config import KNOBS, SwapSettings
 from swapopt.optimizer import SwapOptimizer
 
 __all__ = ["SwapAdam", "SwapAdamW", "swap_class"]
 
-# Keyword-only in the class form too, so a positional argument can never land in a swap knob by accident.
-_SWAP_KNOBS = ("swap_optimizer_times", "chunk_mb", "slots", "resident_mb", "per_param", "overlap_forward", "prefetch")
 
 # One class per optimizer class, so two calls for the same optimizer give the same class (isinstance holds).
 _CLASSES: dict[type, type[SwapOptimizer]] = {}
@@ -28,9 +27,8 @@ _CLASSES: dict[type, type[SwapOptimizer]] = {}
 
 def swap_class(optimizer_cls: type[torch.optim.Optimizer]) -> type[SwapOptimizer]:
     """A ``SwapOptimizer`` subclass built like ``optimizer_cls``: ``(params, *args, **kwargs)`` with
-    ``optimizer_cls``'s own arguments, plus the keyword-only swap knobs ``swap_optimizer_times=16``,
-    ``chunk_mb=None``, ``slots=3``, ``resident_mb=0``, ``per_param=False``, ``overlap_forward=False``,
-    ``prefetch=False``.
+    ``optimizer_cls``'s own arguments, plus the swap knobs of swapopt.SwapSettings as keyword-only
+    arguments (a positional argument can never land in a knob by accident).
 
     Unsupported optimizers (LBFGS, SparseAdam, flat-buffer fused ones) are refused here, by class, when
     the class alone decides it, and otherwise at construction, as ``SwapOptimizer`` refuses them.
@@ -52,30 +50,9 @@ def swap_class(optimizer_cls: type[torch.optim.Optimizer]) -> type[SwapOptimizer
 
 
 def _make_class(optimizer_cls: type[torch.optim.Optimizer]) -> type[SwapOptimizer]:
-    def __init__(
-        self: SwapOptimizer,
-        params: Any,
-        *args: Any,
-        swap_optimizer_times: int = 16,
-        chunk_mb: float | None = None,
-        slots: int = 3,
-        resident_mb: float = 0.0,
-        per_param: bool = False,
-        overlap_forward: bool = False,
-        prefetch: bool = False,
-        **kwargs: Any,
-    ) -> None:
-        SwapOptimizer.__init__(
-            self,
-            optimizer_cls(params, *args, **kwargs),
-            swap_optimizer_times=swap_optimizer_times,
-            chunk_mb=chunk_mb,
-            slots=slots,
-            resident_mb=resident_mb,
-            per_param=per_param,
-            overlap_forward=overlap_forward,
-            prefetch=prefetch,
-        )
+    def __init__(self: SwapOptimizer, params: Any, *args: Any, **kwargs: Any) -> None:
+        knobs = {k: kwargs.pop(k) for k in KNOBS if k in kwargs}
+        SwapOptimizer.__init__(self, optimizer_cls(params, *args, **kwargs), **knobs)
 
     name = f"Swap{optimizer_cls.__name__}"
     __init__.__qualname__ = f"{name}.__init__"
@@ -88,8 +65,8 @@ def _make_class(optimizer_cls: type[torch.optim.Optimizer]) -> type[SwapOptimize
     inner = inspect.signature(optimizer_cls.__init__)
     inner_params = [p for p in inner.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
     knobs = [
-        inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=d, annotation=a)
-        for k, d, a in zip(_SWAP_KNOBS, (16, None, 3, 0.0, False, False, False), (int, float | None, int, float, bool, bool, bool))
+        inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.annotation)
+        for k, f in SwapSettings.model_fields.items()
     ]
     positional = [p for p in inner_params if p.kind is not inspect.Parameter.KEYWORD_ONLY]
     keyword_only = [p for p in inner_params if p.kind is inspect.Parameter.KEYWORD_ONLY]
@@ -104,7 +81,7 @@ def _make_class(optimizer_cls: type[torch.optim.Optimizer]) -> type[SwapOptimize
         "__doc__": (
             f"``{optimizer_cls.__name__}`` whose states live in pinned host memory and stream through the "
             "accelerator in chunks during step(); bitwise the same updates. Keyword-only swap knobs: "
-            "swap_optimizer_times, chunk_mb, slots, resident_mb, per_param, overlap_forward, prefetch."
+            f"{', '.join(KNOBS)} (swapopt.SwapSettings)."
         ),
         "inner_class": optimizer_cls,
     }

@@ -1,59 +1,108 @@
-"""SwapConfig: the knobs of SwapOptimizer as a pydantic model, usable from engine configs."""
+"""The swap knobs, declared once: ``SwapSettings`` (one SwapOptimizer's settings) and ``SwapConfig`` (the
+same knobs plus the on/off switch, for engine configs).
+
+Every other place that lists the knobs reads them from here: SwapOptimizer's keyword arguments, the class
+forms' signatures (swapopt.classes), copies (swapopt.copying), the XTuner, Hugging Face and engine configs.
+Adding a knob is adding a field below.
+"""
 
 from __future__ import annotations
 
 import warnings
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
-class SwapConfig(BaseModel):
-    """Optimizer-state swapping switches.
+class SwapSettings(BaseModel):
+    """The settings of one SwapOptimizer (immutable: a changed setting is a new optimizer)."""
 
-    ``swap_optimizer_times``: about how many chunks the swapped states are split into per step (to avoid
-    cutting params the planner may use chunks up to 25% larger or up to 1.5x as many, and from 8 chunks on
-    it adds up to 3 smaller first ones unless ``prefetch`` is on; swapopt.plan).
-    ``chunk_mb``: byte budget per chunk (MiB); overrides ``swap_optimizer_times`` when set.
-    ``slots``: staging buffers on the device (3: one filling, one computing, one draining).
-    ``resident_mb``: states that fit this budget (MiB) stay on the device and are stepped first.
-    ``per_param``: vouch that an optimizer from outside torch.optim keeps per-param state and reads no
-    other param in its update (see swapopt.register_per_param); torch's own optimizers need no vouching.
-    ``overlap_forward``: run the updates on their own stream and let the next forward start under them,
-    each module waiting only for its own params (SwapOptimizer.attach(model) must be called; user code
-    reading params or states outside a forward calls SwapOptimizer.wait_for_update() first).
-    ``prefetch``: swap in the first ``slots - 1`` chunks of the next step right after the forward, so they
-    stream in under the backward and the first update starts at once; the forward hook comes with
-    SwapOptimizer.attach(model) (without it nothing is prefetched). Holds the staging (slots x slot bytes)
-    from the forward to the end of step: a prefetch budget on top of the step's (slots + 1) x chunk.
-    ``overlap_forward`` and ``prefetch`` need ``swap_optimizer=True``; without it wrap() warns that they
-    are ignored.
-    """
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-    swap_optimizer: bool = False
     swap_optimizer_times: int = Field(default=16, ge=1)
-    chunk_mb: Optional[float] = Field(default=None, gt=0)
+    """About how many chunks the swapped states are split into per step. To avoid cutting params the
+    planner may use chunks up to 25% larger or up to 1.5x as many, and from 8 chunks on it adds up to 3
+    smaller first ones unless ``prefetch`` is on (swapopt.plan)."""
+
+    chunk_mb: Optional[float] = Field(default=None, gt=0, allow_inf_nan=False)
+    """Byte budget per chunk (MiB); overrides ``swap_optimizer_times`` when set."""
+
     slots: int = Field(default=3, ge=1)
-    resident_mb: float = Field(default=0.0, ge=0)
+    """Staging buffers on the device (3: one filling, one computing, one draining)."""
+
+    resident_mb: float = Field(default=0.0, ge=0, allow_inf_nan=False)
+    """States that fit this budget (MiB) stay on the device and are stepped first."""
+
     per_param: bool = False
+    """Vouch that an optimizer from outside torch.optim keeps per-param state and reads no other param in
+    its update (see swapopt.register_per_param); torch's own optimizers need no vouching."""
+
     overlap_forward: bool = False
+    """Run the updates on their own stream and let the next forward start under them, each module waiting
+    only for its own params (``attach(model)`` must be called; code reading params or states outside a
+    forward calls ``wait_for_update()`` first)."""
+
     prefetch: bool = False
+    """Swap in the first ``slots - 1`` chunks of the next step right after the forward, so they stream in
+    under the backward and the first update starts at once (the forward hook comes with
+    ``attach(model)``). Holds the staging (slots x slot bytes) from the forward to the end of step: a
+    prefetch budget on top of the step's (slots + 1) x chunk."""
+
+    master_weights: bool = False
+    """Keep an fp32 master copy of each bf16/fp16 param in pinned host memory beside its states, and step
+    the master (grad upcast to fp32) instead of the param, which receives the master rounded to its dtype:
+    the mixed-precision recipe of Note [master weights] (swapopt.masters), with 12 bytes a param off the
+    device instead of 8. fp32 params are their own masters."""
 
     @field_validator("swap_optimizer_times", "slots", mode="before")
     @classmethod
-    def _no_bool_counts(cls, value: object) -> object:
+    def _a_count_not_a_switch(cls, value: object, info: Any) -> object:
         # pydantic turns True into 1: `swap_optimizer_times: true` (meant as the switch) would mean one chunk.
         if isinstance(value, bool):
-            raise ValueError("a count, not a switch: give an int >= 1 (swap_optimizer is the on/off switch)")
+            raise ValueError(
+                f"{info.field_name} must be an int >= 1, got {value!r} (a count, not a switch; swap_optimizer "
+                "is the on/off switch)"
+            )
+        if isinstance(value, float):  # 2.5 chunks: a mistake pydantic would round silently for 2.0 only
+            raise ValueError(f"{info.field_name} must be an int >= 1, got {value!r}")
         return value
+
+
+# The knobs by name, in declaration order (keyword arguments of SwapOptimizer and the class forms).
+KNOBS: tuple[str, ...] = tuple(SwapSettings.model_fields)
+
+
+def settings_from(knobs: dict[str, Any]) -> SwapSettings:
+    """SwapSettings from keyword arguments, with errors that name the knob as the caller wrote it."""
+    unknown = sorted(set(knobs) - set(KNOBS))
+    if unknown:
+        raise TypeError(f"unknown swap knob(s) {', '.join(unknown)}; the knobs are: {', '.join(KNOBS)}")
+    try:
+        return SwapSettings(**knobs)
+    except ValueError as err:  # pydantic's ValidationError: one line per bad knob
+        lines = [f"{'.'.join(map(str, e['loc']))}: {e['msg'].removeprefix('Value error, ')}" for e in err.errors()]
+        raise ValueError("; ".join(lines)) from None
+
+
+class SwapConfig(SwapSettings):
+    """Optimizer-state swapping for engine configs: ``swap_optimizer`` switches it on, the other fields are
+    SwapSettings' knobs. ``overlap_forward``, ``prefetch`` and ``master_weights`` need
+    ``swap_optimizer=True``; without it wrap() warns that they are ignored."""
+
+    model_config = ConfigDict(extra="forbid", frozen=False, validate_assignment=True, use_attribute_docstrings=True)
+
+    swap_optimizer: bool = False
+    """Keep the optimizer's states in pinned host memory and stream them through the device in step()."""
+
+    def settings(self) -> SwapSettings:
+        """The knobs of the SwapOptimizer this config builds."""
+        return SwapSettings(**self.model_dump(include=set(KNOBS)))
 
     def wrap(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Return ``optimizer`` wrapped in a SwapOptimizer, or unchanged when swapping is off."""
         if not self.swap_optimizer:
-            ignored = [k for k in ("overlap_forward", "prefetch") if getattr(self, k)]
+            ignored = [k for k in ("overlap_forward", "prefetch", "master_weights") if getattr(self, k)]
             if ignored:
                 # A warning, not an error: configs switch swap_optimizer off alone to get the resident baseline.
                 warnings.warn(
@@ -66,13 +115,4 @@ class SwapConfig(BaseModel):
 
         if isinstance(optimizer, SwapOptimizer):
             return optimizer
-        return SwapOptimizer(
-            optimizer,
-            swap_optimizer_times=self.swap_optimizer_times,
-            chunk_mb=self.chunk_mb,
-            slots=self.slots,
-            resident_mb=self.resident_mb,
-            per_param=self.per_param,
-            overlap_forward=self.overlap_forward,
-            prefetch=self.prefetch,
-        )
+        return SwapOptimizer(optimizer, **self.settings().model_dump())

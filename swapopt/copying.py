@@ -15,7 +15,9 @@ from typing import Any
 import torch
 
 import device
+from swapopt.config import KNOBS
 from swapopt.hoststate import is_swapped_state, local, pinned_empty_like
+from swapopt.masters import MASTER
 
 
 def getstate(opt: Any) -> dict[str, Any]:
@@ -26,13 +28,9 @@ def getstate(opt: Any) -> dict[str, Any]:
     opt.wait_for_swap_out()
     return {
         "optimizer": opt.optimizer,
-        "swap_optimizer_times": opt.swap_optimizer_times,
-        "chunk_mb": opt.chunk_mb,
-        "slots": opt.operate.slots,
-        "resident_mb": opt.resident_mb,
-        "per_param": opt.per_param,
-        "overlap_forward": opt.overlap_forward,  # the copy needs its own attach(model), as the original did
-        "prefetch": opt.prefetch_enabled,
+        # With overlap_forward the copy needs its own attach(model), as the original did.
+        "settings": opt.settings.model_dump(),
+        "masters": _masters_of(opt),
         "stats": opt._stats.model_dump(),
         # Device scalars an offload moved to the host: the copy moves its own back at onload or its next step.
         "offloaded": [(p, key, str(dev)) for (p, key), dev in offloaded_scalars(opt).items()],
@@ -48,19 +46,24 @@ def setstate(opt: Any, state: dict[str, Any]) -> None:
     inner = state["optimizer"]
     _pin_states(inner)
     # SwapOptimizer's own __init__, not type(opt)'s: class forms built from params take other arguments.
-    SwapOptimizer.__init__(
-        opt,
-        inner,
-        swap_optimizer_times=state["swap_optimizer_times"],
-        chunk_mb=state["chunk_mb"],
-        slots=state["slots"],
-        resident_mb=state["resident_mb"],
-        per_param=state.get("per_param", False),
-        overlap_forward=state.get("overlap_forward", False),  # absent in copies made before these knobs
-        prefetch=state.get("prefetch", False),
-    )
+    knobs = state.get("settings")
+    if knobs is None:  # a copy made before the knobs were kept as one settings object
+        knobs = {k: state[k] for k in KNOBS if k in state}
+    SwapOptimizer.__init__(opt, inner, **knobs)
+    masters = opt._ctx.masters
+    for p, master, ready in state.get("masters", ()):
+        masters.set(p, master if device.get_device() == "cpu" else pinned_copy(master))
+        if ready:
+            masters.ready.add(p)
     opt._stats = type(opt._stats).model_validate(state["stats"])
     remember_offloaded(opt, {(p, key): torch.device(dev) for p, key, dev in state.get("offloaded", ())})
+
+
+def _masters_of(opt: Any) -> list[tuple[torch.Tensor, torch.Tensor, bool]]:
+    """(param, master, holds a value) per master (Note [master weights]): the params are the inner
+    optimizer's, so a copy pairs its copied params with copied masters."""
+    masters = opt._ctx.masters
+    return [(p, holder[MASTER], p in masters.ready) for p, holder in masters.host.items()]
 
 
 def pinned_copy(value: torch.Tensor) -> torch.Tensor:

@@ -127,11 +127,11 @@ def memory_order(t: torch.Tensor) -> tuple[int, ...]:
     return tuple(sorted(range(t.dim()), key=lambda d: (-t.stride(d), d)))
 
 
-def pinned_empty_like(value: torch.Tensor) -> torch.Tensor:
-    """Pinned host memory shaped, typed and laid out (layout_strides) like ``value``'s local tensor,
-    wrapped like ``value`` (a DTensor over the host shard for DTensors)."""
+def pinned_empty_like(value: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Pinned host memory shaped, typed (``dtype`` if given) and laid out (layout_strides) like ``value``'s
+    local tensor, wrapped like ``value`` (a DTensor over the host shard for DTensors)."""
     src = local(value)
-    return wrap_like(value, pinned_like(tuple(src.shape), layout_strides(src), src.dtype))
+    return wrap_like(value, pinned_like(tuple(src.shape), layout_strides(src), dtype or src.dtype))
 
 
 def new_host_like(param: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -153,7 +153,7 @@ def state_nbytes(value: torch.Tensor) -> int:
     return loc.numel() * loc.element_size()
 
 
-def _constructor_kwargs(cls: type, defaults: dict) -> dict:
+def constructor_kwargs(cls: type, defaults: dict) -> dict:
     """The defaults the constructor accepts (AdamW keeps ``decoupled_weight_decay`` in defaults, say)."""
     params = inspect.signature(cls.__init__).parameters
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
@@ -162,21 +162,22 @@ def _constructor_kwargs(cls: type, defaults: dict) -> dict:
 
 
 def probe_states(
-    optimizer: torch.optim.Optimizer, group: dict, param: torch.Tensor, step_fn
+    optimizer: torch.optim.Optimizer, group: dict, param: torch.Tensor, step_fn, dtype: torch.dtype | None = None
 ) -> tuple[int, tuple[tuple[str, torch.dtype, bool], ...]] | None:
     """Swapped state bytes per param element and the swapped states' (key, dtype, shaped like the
     param), found by stepping a throwaway optimizer of the same class and hyperparameters once over a
-    tiny param of the same dtype, ndim and device.
+    tiny param of the same dtype (``dtype`` when the optimizer steps another tensor for it: an fp32 master),
+    ndim and device.
 
     Returns None when the probe cannot run (a constructor with required arguments, say); the caller
     then estimates. ``step_fn`` is the class's step without the Optimizer hook wrapper, so global step
     hooks do not see the probe.
     """
     loc = local(param)
-    tiny = torch.zeros((4,) * loc.dim(), dtype=loc.dtype, device=loc.device)
+    tiny = torch.zeros((4,) * loc.dim(), dtype=dtype or loc.dtype, device=loc.device)
     tiny.grad = torch.full_like(tiny, 1e-3)
     try:
-        probe = type(optimizer)([tiny], **_constructor_kwargs(type(optimizer), optimizer.defaults))
+        probe = type(optimizer)([tiny], **constructor_kwargs(type(optimizer), optimizer.defaults))
         probe.param_groups[0].update({k: v for k, v in group.items() if k != "params"})
         probe.param_groups[0]["params"] = [tiny]
         step_fn(probe)

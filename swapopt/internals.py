@@ -87,6 +87,27 @@ def lend_amp_attributes(wrapper: Any, inner: torch.optim.Optimizer) -> Iterator[
             delattr(inner, k)
 
 
+# GradScaler.unscale_ (torch/amp/grad_scaler.py) unscales with the private kernel below, which multiplies
+# each finite element by the inverse scale and flags non-finite ones, and computes that inverse in double
+# precision. The master-weights step (Note [master weights] in swapopt.masters) unscales the fp32 grads of
+# the masters itself, so it calls the same kernel with the same inverse: bitwise what the scaler would do.
+def inverse_scale(grad_scale: torch.Tensor) -> torch.Tensor:
+    """The inverse scale GradScaler.unscale_ multiplies grads by."""
+    return grad_scale.double().reciprocal().float()
+
+
+def amp_unscale_(grads: list[torch.Tensor], inv_scale: torch.Tensor) -> None:
+    """Unscale ``grads`` in place as GradScaler.unscale_ does (its found_inf is the scaler's business: the
+    flags raised here go to a scratch tensor)."""
+    by_device: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for g in grads:
+        g = g.to_local() if hasattr(g, "to_local") else g
+        by_device.setdefault((g.device, g.dtype), []).append(g)
+    for (dev, _), tensors in by_device.items():
+        found = torch.zeros(1, dtype=torch.float32, device=dev)
+        torch._amp_foreach_non_finite_check_and_unscale_(tensors, found, inv_scale.to(dev))
+
+
 # Note [grad_scaler kwarg]: torch_npu's GradScaler steps an optimizer that claims
 # ``_step_supports_amp_scaling`` as ``optimizer.step(..., grad_scaler=self)`` and neither unscales nor
 # checks for infs itself (torch_npu/npu/amp/grad_scaler.py:375-382). Upstream torch, given that kwarg,

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import operator
 import warnings
-import weakref
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from itertools import compress, repeat
@@ -22,7 +21,9 @@ from loguru import logger
 import device
 from swapopt import hoststate, perparam
 from swapopt.arena import Arenas, Run, itemsize, pack
+from swapopt.context import StepContext
 from swapopt.hoststate import is_swapped_state, local, new_host_like, wrap_like
+from swapopt.masters import MASTER
 from swapopt.plan import DEFAULT_ALIGN, SLOT_ALIGN as _SLOT_ALIGN, ParamSize, Plan, make_plan
 
 MiB = 1 << 20
@@ -114,15 +115,14 @@ class Prepared:
 class HostLayout:
     """Host states, slot layout and plan of one SwapOptimizer, cached between steps.
 
-    ``opt`` is the wrapper: its ``state``, ``param_groups`` and settings are read live (load_state_dict
-    rebinds them), its ``operate`` waits for swap-outs before a state is rewritten.
+    ``ctx`` (swapopt.context) gives the wrapped optimizer, whose ``state`` and ``param_groups`` are read live
+    (load_state_dict rebinds them), the settings, the masters (Note [master weights]) and the transfer
+    engine, which waits for swap-outs before a state is rewritten.
     """
 
-    def __init__(self, opt: Any) -> None:
-        # A weak reference: opt owns this layout, and a cycle would keep the wrapper, its params and
-        # their device memory alive until a garbage collection runs.
-        self._opt = weakref.ref(opt)
-        self.elementwise = perparam.is_elementwise(type(opt.optimizer))
+    def __init__(self, ctx: StepContext) -> None:
+        self.ctx = ctx
+        self.elementwise = perparam.is_elementwise(type(ctx.optimizer))
         self.pre_hosts: dict[torch.Tensor, dict[str, torch.Tensor]] = {}  # see preallocate
         self.arenas = Arenas()  # pinned buffers holding states in chunk order (swapopt.arena)
         self.split_cache: dict[torch.Tensor, tuple] = {}  # see splittable
@@ -136,16 +136,21 @@ class HostLayout:
         self.active_cache: tuple | None = None
 
     @property
-    def opt(self) -> Any:
-        return self._opt()
-
-    @property
     def state(self) -> Any:
-        return self.opt.state
+        return self.ctx.state
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
-        return self.opt.param_groups
+        return self.ctx.param_groups
+
+    def holder(self, p: torch.Tensor, key: str) -> dict[str, torch.Tensor] | None:
+        """The dict that stores p's host tensor ``key``: its state dict, or its master's (Note [master weights])."""
+        return self.ctx.masters.host.get(p) if key == MASTER else self.state.get(p)
+
+    def has_states(self, p: torch.Tensor) -> bool:
+        """p's cached host entry holds states (not only its master)."""
+        entry = self.host.get(p)
+        return entry is not None and any(k != MASTER for k in entry.keys)
 
     def invalidate(self) -> None:
         """Forget cached host layouts and the plan."""
@@ -212,20 +217,49 @@ class HostLayout:
         for group in self.param_groups:
             for p in group["params"]:
                 if self.state.get(p):
+                    if self.ctx.masters.wanted(p):
+                        self.restate_for_master(p, group)
                     self.cache_host(p, quiet=True)
 
-    def cache_host(self, p: torch.Tensor, quiet: bool = False) -> Host:
-        """Record p's host states; any swapped state found in device memory is copied into host memory."""
+    def restate_for_master(self, p: torch.Tensor, group: dict[str, Any]) -> None:
+        """Note [master weights]: the states an optimizer built in its constructor for a low-precision param
+        (Adagrad's sum, at step 0) are built again for the param's fp32 master, as the recipe's optimizer
+        over the masters builds them (``initial_accumulator_value`` rounded to fp32, not to bf16). States of
+        an optimizer that has stepped are only upcast (cache_host)."""
         st = self.state[p]
+        step = st.get("step")
+        if step is None or float(step) != 0:
+            return
+        loc = local(p)
+        twin = torch.empty_strided(loc.shape, hoststate.layout_strides(loc), dtype=torch.float32, device="cpu")
+        cls = type(self.ctx.optimizer)
+        try:
+            kwargs = hoststate.constructor_kwargs(cls, {k: v for k, v in group.items() if k != "params"})
+            fresh = cls([twin], **kwargs).state.get(twin, {})
+        except Exception:  # noqa: BLE001 - cannot rebuild: the states are upcast instead
+            return
+        for key, value in fresh.items():
+            old = st.get(key)
+            if isinstance(old, torch.Tensor) and isinstance(value, torch.Tensor) and is_swapped_state(p, key, old):
+                st[key] = wrap_like(old, value) if hoststate.is_dtensor(old) else value
+
+    def cache_host(self, p: torch.Tensor, quiet: bool = False) -> Host:
+        """Record p's host states (and its master); any swapped state found in device memory is copied into
+        host memory."""
+        st = self.state.get(p, {})
         old = self.host.get(p)
         previous = dict(zip(old.keys, old.stored)) if old is not None else {}
         keys, stored, locs = [], [], []
+        # Note [master weights]: a param stepped through its fp32 master has fp32 states, as the recipe's
+        # optimizer over the masters has; states built before in the param's dtype (Adagrad builds its sum
+        # in __init__, a checkpoint of plain training) are upcast.
+        want = torch.float32 if self.ctx.masters.wanted(p) else None
         for key, value in list(st.items()):
             if not is_swapped_state(p, key, value):
                 continue
-            if not device.is_host_tensor(value) or not hoststate.is_dense(local(value)):
-                if not quiet and not device.is_host_tensor(value) and "rehome" not in self.opt._warned:
-                    self.opt._warned.add("rehome")
+            upcast = want is not None and value.is_floating_point() and local(value).dtype != want
+            if upcast or not device.is_host_tensor(value) or not hoststate.is_dense(local(value)):
+                if not quiet and not device.is_host_tensor(value) and self.ctx.warn_once("rehome"):
                     warnings.warn(
                         f"swapopt: optimizer state {key!r} was found in device memory, moved there behind the "
                         "optimizer's back (an 'optimizer to device' helper, such as Lightning's default "
@@ -237,14 +271,20 @@ class HostLayout:
                     )
                 src = local(value)
                 home = previous.get(key)  # the pinned tensor it came from, when it still fits
-                if home is None or not hoststate.same_layout(local(home), src) or local(home).dtype != src.dtype:
-                    home = hoststate.pinned_empty_like(value)
-                self.opt.operate.wait_for_swap_out([p])
+                dtype = want if upcast else src.dtype
+                if home is None or not hoststate.same_layout(local(home), src) or local(home).dtype != dtype:
+                    home = hoststate.pinned_empty_like(value, dtype)
+                self.ctx.operate.wait_for_swap_out([p])
                 local(home).copy_(src)
                 value = st[key] = home
             keys.append(key)
             stored.append(value)
             locs.append(local(value))
+        master = self.ctx.masters.get(p)
+        if master is not None:  # moves with the states (Note [master weights])
+            keys.append(MASTER)
+            stored.append(master)
+            locs.append(local(master))
         entry = Host(tuple(keys), tuple(stored), tuple(locs), len(st), sum(t.numel() * t.element_size() for t in locs))
         self.host[p] = entry
         self.version += 1
@@ -255,10 +295,10 @@ class HostLayout:
         entry = self.host.get(p)
         st = self.state.get(p)
         if entry is None:
-            return not st
-        if not st or len(st) != entry.nkeys:
+            return not st and self.ctx.masters.get(p) is None
+        if len(st or ()) != entry.nkeys:
             return False
-        return all(st.get(k) is t for k, t in zip(entry.keys, entry.stored))
+        return all((self.holder(p, k) or {}).get(k) is t for k, t in zip(entry.keys, entry.stored))
 
     def ensure_resident(self, p: torch.Tensor, dev: torch.device) -> None:
         """Resident params keep their states in device memory."""
@@ -326,7 +366,7 @@ class HostLayout:
             entry = self.host.get(p)
             if entry is None or d is None:
                 continue
-            dicts += [d] * len(entry.keys)
+            dicts += [self.holder(p, k) for k in entry.keys]
             keys += entry.keys
             stored += entry.stored
         prep.watch_states = (dicts, keys, stored)
@@ -343,8 +383,11 @@ class HostLayout:
             return prep
         # A prefetch was made for the plan that no longer holds, and the re-plan below may move the host
         # states its copies read: drop it first (it is only a device copy of them).
-        self.opt.operate.discard_prefetch()
+        self.ctx.operate.discard_prefetch()
+        masters = self.ctx.masters
         for p in params:  # resident params keep device states: nothing to check for them
+            if masters.ensure(p):  # pinned host memory for its master, filled at its first step
+                self.forget(p)
             if p not in self.resident and not self.check_host(p):
                 self.cache_host(p)
         flat = [self.splittable(p) for p in params]
@@ -354,18 +397,21 @@ class HostLayout:
         if self.prepared is not None and self.prepared.key == key:
             self.watch(self.prepared)
             return self.prepared
-        dev = device.torch_device(self.opt._device)
+        dev = device.torch_device(self.ctx.device)
+        # A master's piece gets its grad upcast into the slot (Note [master weights]); gathered there if needed.
+        upcast = [masters.get(p) is not None for p in params]
         sizes = []
         for i, p in enumerate(params):
             nbytes, regions = self.state_bytes(p, groups[i])
-            if gather[i]:
-                nbytes += local(p).numel() * p.grad.element_size()
+            if gather[i] or upcast[i]:
+                nbytes += local(p).numel() * (4 if upcast[i] else p.grad.element_size())
                 regions += 1
             sizes.append(ParamSize(i, local(p).numel(), nbytes, flat[i], regions))
-        chunk_bytes = None if self.opt.chunk_mb is None else int(self.opt.chunk_mb * MiB)
+        knobs = self.ctx.settings
+        chunk_bytes = None if knobs.chunk_mb is None else int(knobs.chunk_mb * MiB)
         # With prefetch the first chunks stream in under the backward: no ramp (Note [ramp] in swapopt.plan)
-        ramp = not self.opt.prefetch_enabled
-        settings = (self.opt.swap_optimizer_times, chunk_bytes, int(self.opt.resident_mb * MiB), DEFAULT_ALIGN, ramp)
+        ramp = not knobs.prefetch
+        settings = (knobs.swap_optimizer_times, chunk_bytes, int(knobs.resident_mb * MiB), DEFAULT_ALIGN, ramp)
         plan_key = (tuple(sizes), settings)
         if self.plan_cache is not None and self.plan_cache[0] == plan_key:
             # the probe gave the exact sizes: the states the first step created change nothing
@@ -390,7 +436,7 @@ class HostLayout:
             if i not in plan.resident and params[i] not in self.host and self.state.get(params[i]):
                 self.cache_host(params[i], quiet=True)
         self.relayout(plan, params, flat)
-        regions = [self.regions(chunk.pieces, params, flat, gather) for chunk in plan.chunks]
+        regions = [self.regions(chunk.pieces, params, flat, gather, upcast) for chunk in plan.chunks]
         slot_bytes = max((r[-1].offset + r[-1].nbytes for r in regions if r), default=0)
         last_chunk = {params[i]: k for i, k in plan.last_chunk.items()}
         key = (tuple(map(id, params)), tuple(groups), tuple(gather), self.version)
@@ -448,7 +494,7 @@ class HostLayout:
                 moves.append(want)
         if not moves:
             return
-        self.opt.operate.wait_for_swap_out()  # the last step's swap-outs still write these states
+        self.ctx.operate.wait_for_swap_out()  # the last step's swap-outs still write these states
         nstates = nbytes = 0
         while moves:  # arena by arena, so the old copies are let go of as the new ones are filled
             want = moves.pop(0)
@@ -483,32 +529,37 @@ class HostLayout:
         for p, key, stored, offset in placed:
             new = self.arenas.place(base, offset, stored, local(stored).dtype)
             local(new).copy_(local(stored))
-            self.state[p][key] = new
+            self.holder(p, key)[key] = new
         for p in dict.fromkeys(p for p, _, _, _ in placed):
             self.cache_host(p, quiet=True)
 
     def probe(self, p: torch.Tensor, gi: int) -> tuple[int, tuple] | None:
         loc = local(p)
-        key = (gi, loc.dtype, loc.dim(), loc.device.type)
+        dtype = self.ctx.masters.state_dtype(p)  # fp32 for a param stepped through its master
+        key = (gi, dtype, loc.dim(), loc.device.type)
         if key not in self.probe_cache:
-            self.probe_cache[key] = hoststate.probe_states(self.opt.optimizer, self.param_groups[gi], p, self.opt._step_fn)
+            self.probe_cache[key] = hoststate.probe_states(
+                self.ctx.optimizer, self.param_groups[gi], p, self.ctx.step_fn, dtype=dtype
+            )
         return self.probe_cache[key]
 
     def state_bytes(self, p: torch.Tensor, gi: int) -> tuple[int, int]:
         """Swapped state bytes of p and their count: exact once it has states, probed (or guessed) before."""
         entry = self.host.get(p)
-        if entry is not None:
+        if entry is not None and self.has_states(p):
             return entry.nbytes, len(entry.keys)
+        # Before p has states: its master (if any) and the states the probe says the first step creates.
+        base, count = (entry.nbytes, len(entry.keys)) if entry is not None else (0, 0)
         if self.state.get(p):  # resident: states already on the device
             swapped = [v for k, v in self.state[p].items() if is_swapped_state(p, k, v)]
             return sum(hoststate.state_nbytes(v) for v in swapped), len(swapped)
         loc = local(p)
         probed = self.probe(p, gi)
-        if probed is None:  # Adam-like guess: two states of the param's dtype
-            name = type(self.opt.optimizer).__name__
+        if probed is None:  # Adam-like guess: two states of the dtype p steps in
+            name = type(self.ctx.optimizer).__name__
             logger.debug("swapopt: could not probe {}; assuming two param-like states", name)
-            return loc.numel() * 2 * loc.element_size(), 2
-        return loc.numel() * probed[0], len(probed[1])
+            return base + loc.numel() * 2 * self.ctx.masters.state_dtype(p).itemsize, count + 2
+        return base + loc.numel() * probed[0], count + len(probed[1])
 
     def preallocate(self, prep: Prepared) -> dict[torch.Tensor, dict[str, torch.Tensor]]:
         """Pinned host tensors for the param-shaped states an element-wise optimizer will create this
@@ -525,7 +576,7 @@ class HostLayout:
             for piece in (pc for chunk in group for pc in chunk.pieces):
                 i = piece.index
                 p = prep.params[i]
-                if p in out or p in self.host or p in self.resident or self.state.get(p):
+                if p in out or self.has_states(p) or p in self.resident or self.state.get(p):
                     continue
                 probed = self.probe(p, prep.groups[i])
                 if probed is None:
@@ -551,9 +602,12 @@ class HostLayout:
             for p, key, dtype, offset in placed:
                 out[p][key] = self.arenas.place(base, offset, p, dtype)
 
-    def regions(self, pieces, params: list[torch.Tensor], flat: list[bool], gather: list[bool]) -> list[Region]:
+    def regions(
+        self, pieces, params: list[torch.Tensor], flat: list[bool], gather: list[bool], upcast: list[bool]
+    ) -> list[Region]:
         """Slot layout of one chunk: one region per (piece, host state), in piece order, plus one for
-        the gathered grad of a piece whose grad is laid out unlike its param."""
+        the gathered grad of a piece whose grad is laid out unlike its param, or its grad upcast to fp32
+        for its master (Note [master weights])."""
         regions: list[Region] = []
         offset = 0
 
@@ -578,7 +632,11 @@ class HostLayout:
                     layout = stored if hoststate.is_dtensor(stored) else None
                 nbytes = host.numel() * host.element_size()
                 add(Region(pos, key, offset, nbytes, host.dtype, shape, host, layout, stride))
-            if gather[piece.index]:
+            if upcast[piece.index]:  # flat like the piece, or shaped and laid out like the whole param
+                loc = local(p)
+                shape, stride = (None, None) if flat[piece.index] else (tuple(loc.shape), hoststate.layout_strides(loc))
+                add(Region(pos, GRAD, offset, piece.numel * 4, torch.float32, shape, None, None, stride))
+            elif gather[piece.index]:
                 g = p.grad
                 add(Region(pos, GRAD, offset, piece.numel * g.element_size(), g.dtype, None, None, None, None))
         return regions

@@ -3,9 +3,9 @@
 Owns one H2D and one D2H stream (created lazily through the device module), the staging slots of the
 running step and the events that order everything:
 
-    compute stream   |-entry-|  ...update[k]...          ...update[k+1]...
-    H2D stream           wait(entry), wait(slot free) -> copy in[k+S-1] -> event
-    D2H stream                                 wait(update[k]) -> copy out[k] -> event (= slot free)
+    compute stream   |-entry-|  ...update[k]...                  ...update[k+1]...
+    D2H stream                       wait(update[k]) -> copy out[k] -> event (= slot free)
+    H2D stream           wait(entry), wait(slot free) -> copy in[k+S-1] -> event   (issued after copy out[k])
 
 Chunk k uses slot k % S. Its swap-in waits for the D2H that last read the slot, the update waits for
 the swap-in, the swap-out waits for the update. A failing step drains every stream (drain); what the
@@ -19,6 +19,18 @@ With prefetch (``prefetch_begin``), the staging and the swap-ins of the first S-
 before the step, typically right after the forward, so they run under the loss and the backward; the
 step's ``begin`` then adopts them instead of allocating and swapping in again, or ``discard_prefetch``
 drops them. Nothing here knows about optimizers.
+
+Note [swap-in after swap-out]: once the pipeline is full, the swap-in of chunk k+S-1 and the swap-out
+of chunk k become ready at the same moment (the one waits for its slot, freed by chunk k-1's swap-out; the
+other follows that swap-out on its stream), and both directions at once share one cap (Note [link sharing]
+in device/sim/presets.py). Where the copy launched first keeps its rate, launching the swap-in first, as
+the pipeline asks for it, makes every swap-out give way: the swap-in ends early and waits for its slot while
+the swap-out runs on alone, and the step takes about 1.13x the link floor on the H100 preset. Launched after
+the swap-out, the swap-in gives way to it, and the swap-out of chunk k+1, launched after the swap-in, gives
+way in turn: the two directions take turns and finish together, within a few percent of the floor. Where
+one direction always keeps its rate, the order changes nothing, so it needs no knowledge of the rule. So
+``swap_in`` of a chunk whose slot a swap-out not yet issued will free holds its copies back, and that
+swap-out issues them right after its own; nothing waits for them before (the chunk's update comes after).
 
 Note [persistent slots]: the slot tensors outlive the step that uses them, without their memory. At
 the end of a step (or of a discarded prefetch) each slot's memory goes back to the allocator with
@@ -99,6 +111,9 @@ class SwapOptimizerOperate:
         self._swap_in: dict[torch.Tensor, Any] = {}
         self._update: dict[torch.Tensor, Any] = {}
         self._swap_out: dict[torch.Tensor, Any] = {}
+        # (chunk, copies) of a swap-in held back until the swap-out before it is issued (Note [swap-in after
+        # swap-out])
+        self._held_in: tuple[int, Copies] | None = None
         self.prefetched: Prefetched | None = None  # staging and swap-ins issued ahead of the next step
         self._staging_stream: Any = None  # where the running step's staging was allocated, if not on _compute
 
@@ -212,6 +227,7 @@ class SwapOptimizerOperate:
         self._slot_free = [None] * self.nslots
         self._held = [[] for _ in range(self.nslots)]
         self._held_bytes = 0
+        self._held_in = None
         self.peak_staging_bytes = sum(t.nbytes for t in self._staging)
         self.h2d_events = [None] * n_chunks
         if prefetched is not None:
@@ -277,6 +293,12 @@ class SwapOptimizerOperate:
         for t in slots:
             device.free_storage(t)
 
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of one staging slot of the last plan (its largest chunk, alignment included): the peak extra
+        device memory of a step stays within (slots + 1) x this."""
+        return int(self._slot_key[0]) if self._slot_key else 0
+
     def slot(self, k: int) -> torch.Tensor | None:
         return self._staging[k % self.nslots] if self._staging else None
 
@@ -322,17 +344,34 @@ class SwapOptimizerOperate:
         return True
 
     def swap_in(self, k: int, copies: Copies) -> None:
-        """Copy host -> slot for chunk k on the H2D stream, after the slot's last D2H."""
+        """Copy host -> slot for chunk k on the H2D stream, after the slot's last D2H. Issued when the swap-out
+        of chunk k - S + 1 is (Note [swap-in after swap-out]), or now when that one is issued already or
+        none is to come (the step's first S - 1 chunks)."""
         if not copies:
             return
+        before = k - (self.nslots - 1)
+        if self.nslots > 1 and before >= 0 and self.d2h_events[before] is None and self._held_in is None:
+            self._held_in = (k, copies)
+            return
+        self._issue_in(k, copies)
+
+    def _issue_in(self, k: int, copies: Copies) -> None:
         free = self._slot_free[k % self.nslots]
         if free is not None:
             self.h2d_stream.wait_event(free)
         self.h2d_events[k] = self._copy_in(f"swapopt.swap_in[{k}]", copies)
 
+    def _release_held_in(self, upto: int) -> None:
+        """Issue the held-back swap-in if it is of a chunk <= ``upto``."""
+        held = self._held_in
+        if held is not None and held[0] <= upto:
+            self._held_in = None
+            self._issue_in(*held)
+
     def begin_update(self, k: int) -> None:
         """Order the update stream after chunk k's swap-in (or its slot's last D2H), and drop the
         device tensors that D2H read: reusing their memory on the update stream is now safe."""
+        self._release_held_in(k)  # never with the pipeline's order: chunk k's swap-in went with an earlier swap-out
         s = k % self.nslots
         ready = self.h2d_events[k] if self.h2d_events[k] is not None else self._slot_free[s]
         if ready is not None:
@@ -376,6 +415,7 @@ class SwapOptimizerOperate:
             event = d2h.record_event()
         s = k % self.nslots
         self.d2h_events[k] = self._slot_free[s] = self._last_d2h = event
+        self._release_held_in(k + self.nslots - 1)  # Note [swap-in after swap-out]
         held = list(hold)
         if held:
             self._held[s] = held
@@ -389,6 +429,8 @@ class SwapOptimizerOperate:
         allocator reuses them only after the D2H stream's queued copies), per-param events recorded.
         With overlap, each stepped param's update event becomes pending (``resident``: the params
         updated in the updating(None) block)."""
+        if self._held_in is not None:  # never with the pipeline's order: every swap-out before it was issued
+            self._release_held_in(self._held_in[0])
         d2h = self.d2h_stream
         end = self.mod.Event(enable_timing=True)
         end.record(d2h)
@@ -427,12 +469,14 @@ class SwapOptimizerOperate:
     def drain(self) -> None:
         """Failure path: the host waits for every copy and update already enqueued. The staging stays
         (the recovery reads the slots of a chunk whose update returned) until release_staging."""
+        self._held_in = None  # a swap-in never issued: nothing reads its slot (Note [failure semantics])
         for stream in (self._h2d, self._compute, self._upd, self._d2h):
             if stream is not None:
                 stream.synchronize()
         self.pending.clear()  # the host saw every update: nothing is left to wait for
 
     def _drop(self) -> None:
+        self._held_in = None
         self._free_slots(self._staging)
         self._staging = []
         self._staging_stream = None

@@ -12,7 +12,9 @@ private torch internals in swapopt.internals.
 
 from __future__ import annotations
 
-import math
+import contextlib
+import os
+import sys
 import warnings
 import weakref
 from typing import Any, Callable, Iterable
@@ -22,9 +24,11 @@ from loguru import logger
 from pydantic import BaseModel
 
 import device
-from swapopt import checkpoint, copying, internals, npu, perparam, pipeline
+from swapopt import checkpoint, config, copying, internals, npu, perparam, pipeline
 from swapopt.hoststate import local
+from swapopt.context import StepContext
 from swapopt.layout import MiB, HostLayout
+from swapopt.masters import Masters
 from swapopt.operate import SwapOptimizerOperate
 from swapopt.overlap import ForwardWaits
 
@@ -104,6 +108,21 @@ def _refuse(optimizer: Any, per_param: bool) -> None:
 
 
 
+_INTERNAL_DIRS = (os.path.dirname(os.path.abspath(__file__)) + os.sep, os.path.dirname(torch.__file__) + os.sep)
+
+
+def _caller_stacklevel() -> int:
+    """The ``stacklevel`` that makes a warning raised by the calling function point at the user's line that
+    led to it (``opt.step()``, or ``scaler.step(opt)``): past swapopt's and torch's own frames, however many
+    wrappers (no_grad, step hooks, GradScaler) the call went through."""
+    frame = sys._getframe(1)  # the function that warns: stacklevel 1
+    level = 1
+    while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL_DIRS):
+        frame = frame.f_back
+        level += 1
+    return level
+
+
 # The live wrapper of each inner optimizer: two wrappers of one optimizer would each stream its states
 # through the device on their own streams, one reading host states the other is still writing back.
 _WRAPPERS: weakref.WeakKeyDictionary[torch.optim.Optimizer, weakref.ref] = weakref.WeakKeyDictionary()
@@ -151,34 +170,20 @@ class SwapOptimizer(torch.optim.Optimizer):
     other swapopt entry points drop the prefetch first).
     """
 
-    def __init__(
-        self,
-        optimizer: torch.optim.Optimizer,
-        *,
-        swap_optimizer_times: int = 16,
-        chunk_mb: float | None = None,
-        slots: int = 3,
-        resident_mb: float = 0.0,
-        per_param: bool = False,
-        overlap_forward: bool = False,
-        prefetch: bool = False,
-    ) -> None:
-        _refuse(optimizer, per_param)
-        # bool is an int to isinstance: swap_optimizer_times=True would quietly mean one chunk.
-        if isinstance(swap_optimizer_times, bool) or not isinstance(swap_optimizer_times, int) or swap_optimizer_times < 1:
-            raise ValueError(f"swap_optimizer_times must be an int >= 1, got {swap_optimizer_times!r}")
-        if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
-            raise ValueError(f"slots must be an int >= 1, got {slots!r}")
-        if chunk_mb is not None and not (chunk_mb > 0 and math.isfinite(chunk_mb)):
-            raise ValueError(f"chunk_mb must be a positive number of MiB or None, got {chunk_mb!r}")
-        if not (resident_mb >= 0 and math.isfinite(resident_mb)):
-            raise ValueError(f"resident_mb must be a non-negative number of MiB, got {resident_mb!r}")
+    def __init__(self, optimizer: torch.optim.Optimizer, **knobs: Any) -> None:
+        settings = knobs.pop("settings", None)
+        if settings is None:
+            settings = config.settings_from(knobs)
+        elif knobs:
+            raise TypeError("give the swap knobs either as settings=SwapSettings(...) or as keywords, not both")
+        _refuse(optimizer, settings.per_param)
+        if settings.master_weights and settings.resident_mb > 0:
+            raise ValueError(
+                "master_weights=True with resident_mb > 0 is not supported: resident params would need fp32 "
+                "masters in device memory; use one or the other"
+            )
         self.optimizer = optimizer
-        self.swap_optimizer_times = swap_optimizer_times
-        self.chunk_mb = chunk_mb
-        self.resident_mb = float(resident_mb)
-        self.per_param = bool(per_param)  # a copy (deepcopy, pickle) must be accepted as the original was
-        self.prefetch_enabled = bool(prefetch)  # the knob: attach(model) prefetches after each forward
+        self.settings = settings
         self._ready = False
         # Optimizer.__init__ sets up hooks and the step wrapper; it gets copies of the groups, then the
         # wrapper takes the inner optimizer's own objects so schedulers, clipping and DCP see one truth.
@@ -186,26 +191,49 @@ class SwapOptimizer(torch.optim.Optimizer):
         self.param_groups = optimizer.param_groups
         self.state = optimizer.state
         self.defaults = optimizer.defaults
-        self.operate = SwapOptimizerOperate(slots, overlap=bool(overlap_forward))
+        self.operate = SwapOptimizerOperate(settings.slots, overlap=settings.overlap_forward)
         self._forward_waits = ForwardWaits(self.operate)
-        self._hyper: dict[int, dict[str, Any]] = {}  # per group: step-time copies of tensor hyperparameters
-        self._step_fn = internals.raw_step(optimizer)  # Note [raw step]; one attribute, so fault injection can wrap it
-        self._layout = HostLayout(self)  # host states, arenas and the plan (swapopt.layout)
+        # What the lower layers get instead of this wrapper (swapopt.context). step_fn is the inner class's
+        # raw step (Note [raw step]); one attribute, so that fault injection can wrap it (_step_fn below).
+        self._ctx = StepContext(
+            optimizer, settings, self.operate, internals.raw_step(optimizer), Masters(settings.master_weights)
+        )
+        self._layout = HostLayout(self._ctx)  # host states, arenas and the plan (swapopt.layout)
         self._stats = SwapStats()
-        self._warned: set[str] = set()
         _claim(optimizer, self)
         self._ready = True
-        self._device = device.get_device()
-        if self._device != "cpu":
+        self._ctx.device = device.get_device()
+        if self._ctx.device != "cpu":
             self._layout.adopt_existing()
-        if self._device == "npu":  # fused kernels torch_npu lacks, foreach off on older chips (swapopt.npu)
+        if self._ctx.device == "npu":  # fused kernels torch_npu lacks, foreach off on older chips (swapopt.npu)
             npu.check_optimizer(optimizer)
+
+    # The knobs, read-only (a changed knob is a new optimizer; SwapSettings documents each).
+    swap_optimizer_times = property(lambda self: self.settings.swap_optimizer_times)
+    chunk_mb = property(lambda self: self.settings.chunk_mb)
+    resident_mb = property(lambda self: self.settings.resident_mb)
+    per_param = property(lambda self: self.settings.per_param)
+    prefetch_enabled = property(lambda self: self.settings.prefetch)
+    master_weights = property(lambda self: self.settings.master_weights)
+
+    @property
+    def _step_fn(self) -> Callable[..., Any]:
+        return self._ctx.step_fn
+
+    @_step_fn.setter
+    def _step_fn(self, fn: Callable[..., Any]) -> None:
+        self._ctx.step_fn = fn
 
     # ----- torch.optim.Optimizer surface -------------------------------------------------------
     @property
     def _step_supports_amp_scaling(self) -> bool:  # GradScaler's private flag (swapopt.internals)
-        # On NPU, fused AdamW's kernel ignores grad_scale/found_inf (swapopt.npu): say no, so that the scaler
-        # unscales the grads and skips inf steps itself.
+        # With master weights the step unscales the masters' fp32 grads itself when the kernel does not
+        # (GradScaler.unscale_ refuses the fp16 grads it would see): Note [master weights].
+        return self.settings.master_weights or self._kernel_unscales()
+
+    def _kernel_unscales(self) -> bool:
+        """The wrapped optimizer's kernel unscales and skips inf steps given grad_scale/found_inf."""
+        # On NPU, fused AdamW's kernel ignores them (swapopt.npu): the scaler unscales and skips itself.
         if device.get_device() == "npu" and npu.ignores_amp_scaling(self.optimizer):
             return False
         return internals.supports_amp_scaling(self.optimizer)
@@ -233,10 +261,8 @@ class SwapOptimizer(torch.optim.Optimizer):
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def __repr__(self) -> str:
-        return (
-            f"SwapOptimizer({self.optimizer!r}, swap_optimizer_times={self.swap_optimizer_times}, "
-            f"chunk_mb={self.chunk_mb}, slots={self.operate.slots}, resident_mb={self.resident_mb})"
-        )
+        knobs = ", ".join(f"{k}={v!r}" for k, v in self.settings.model_dump().items())
+        return f"SwapOptimizer({self.optimizer!r}, {knobs})"
 
     def __getstate__(self) -> dict[str, Any]:
         # The inner optimizer and the settings; the copy builds its own streams, staging and pinned states.
@@ -299,10 +325,10 @@ class SwapOptimizer(torch.optim.Optimizer):
         if prep is None or not layout.unchanged_since(prep):  # none yet, or the next step plans anew
             return False
         mode = device.get_device()
-        if mode == "cpu" or mode != self._device or self.operate.mod is None:
+        if mode == "cpu" or mode != self._ctx.device or self.operate.mod is None:
             return False
-        self.operate.bind(device.get_torch_device_module(self._device))
-        return pipeline.prefetch(self, prep)
+        self.operate.bind(device.get_torch_device_module(self._ctx.device))
+        return pipeline.prefetch(self._ctx, layout, prep)
 
     def wait_for_update(self, params: Iterable[torch.Tensor] | None = None) -> None:
         """Make the current stream wait for the pending updates of ``params`` (all if None), without
@@ -377,26 +403,67 @@ class SwapOptimizer(torch.optim.Optimizer):
                 "SwapOptimizer(overlap_forward=True) needs the model: call opt.attach(model) once before the "
                 "first step (after fully_shard under FSDP2), so that each forward waits for its params' update"
             )
+        masters = self._ctx.masters
+        scaled = [k for k in internals.AMP_ATTRIBUTES if getattr(self, k, None) is not None]
+        if masters.enabled and scaled and not self._kernel_unscales():
+            # Note [master weights]: GradScaler left the unscale and the inf check to this step.
+            found_inf = getattr(self, "found_inf", None)
+            if found_inf is not None and found_inf.item():  # as the scaler's _maybe_opt_step: no step at all
+                return loss
+            grad_scale = getattr(self, "grad_scale", None)
+            if grad_scale is not None:
+                masters.inv_scale = internals.inverse_scale(grad_scale)
+                self._unscale_own_masters(masters.inv_scale)
+            lend: Any = contextlib.nullcontext()  # the kernel must not see them: it would refuse them
+        else:
+            lend = internals.lend_amp_attributes(self, inner)
+        try:
+            return self._step_lent(loss, kwargs, lend)
+        finally:
+            masters.inv_scale = None
+
+    def _unscale_own_masters(self, inv_scale: torch.Tensor) -> None:
+        """Unscale, in place, the grads of the params that are their own masters (not low-precision), as
+        GradScaler.unscale_ would over the masters; low-precision ones are unscaled after their upcast."""
+        seen: set[int] = set()
+        grads = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None and id(p) not in seen and not self._ctx.masters.wanted(p):
+                    seen.add(id(p))
+                    grads.append(p.grad)
+        internals.amp_unscale_(grads, inv_scale)
+
+    def _step_lent(self, loss: Any, kwargs: dict[str, Any], lend: Any) -> Any:
+        inner = self.optimizer
         args, kwargs = internals.run_step_pre_hooks(inner, (), kwargs)  # once per step (Note [hook replay])
-        with internals.lend_amp_attributes(self, inner):
+        with lend:
             # With overlap_forward the update reads step-time copies: scaler.update() may change them at once.
             for k in internals.AMP_ATTRIBUTES:
                 if hasattr(inner, k):
                     setattr(inner, k, self.operate.snapshot(getattr(inner, k)))
             mode = device.get_device()
-            if mode != self._device:
-                self._device = mode
+            if mode != self._ctx.device:
+                self._ctx.device = mode
                 self.invalidate()
             if mode == "cpu":
-                if "cpu" not in self._warned:
-                    self._warned.add("cpu")
+                if self._ctx.warn_once("cpu"):
                     warnings.warn(
                         f"swapopt: no accelerator or simulator is active, so SwapOptimizer steps "
                         f"{type(inner).__name__} in place and its states stay where torch puts them",
-                        stacklevel=5,  # past _step, torch's no_grad and step-hook wrappers: the caller of step()
+                        stacklevel=_caller_stacklevel(),
                     )
                     logger.info("swapopt: no accelerator, stepping {} in place", type(inner).__name__)
-                self._step_fn(inner, *args, **kwargs)
+                if self._ctx.masters.enabled:
+                    if args:
+                        raise TypeError("SwapOptimizer.step takes the closure and keyword arguments only")
+                    params, groups, by_group = self._layout.active()
+                    by_group = {gi: list(ps) for gi, ps in by_group.items()}
+                    for p, gi in zip(params, groups):
+                        by_group.setdefault(gi, []).append(p)
+                    pipeline.step_in_place(self._ctx, by_group, kwargs)
+                else:
+                    self._step_fn(inner, *args, **kwargs)
             else:
                 self._swap_step(args, kwargs)
         internals.run_step_post_hooks(inner, args, kwargs)
@@ -411,21 +478,18 @@ class SwapOptimizer(torch.optim.Optimizer):
         if self.operate.overlap:  # stream the first layers first (swapopt.overlap)
             params, groups = self._forward_waits.order(params, groups)
         if in_place:
-            if "host" not in self._warned:
-                self._warned.add("host")
+            if self._ctx.warn_once("host"):
                 n = sum(len(ps) for ps in in_place.values())
                 warnings.warn(
-                    f"swapopt: {n} param(s) are in host memory, not on the {self._device} device, so their states "
+                    f"swapopt: {n} param(s) are in host memory, not on the {self._ctx.device} device, so their states "
                     "are stepped in place and not swapped (swap_stats() counts only swapped steps). Move the "
                     "model to the device (model.to(device.torch_device())) before building the optimizer",
-                    stacklevel=6,  # past _swap_step, _step, step and torch's two step wrappers: the caller of step()
+                    stacklevel=_caller_stacklevel(),
                 )
-            chunk_state = pipeline.real_states(self, [p for ps in in_place.values() for p in ps])
-            pipeline.run_inner(self, dict(in_place), chunk_state, kwargs)
-            pipeline.keep_new_states(self, chunk_state)
+            pipeline.step_in_place(self._ctx, dict(in_place), kwargs)
         if not params:
             return
-        mod = device.get_torch_device_module(self._device)
+        mod = device.get_torch_device_module(self._ctx.device)
         self.operate.bind(mod)  # another module: a prefetch made with the old one is dropped
         self.operate.begin_step()  # swap_stats() must not pair this step's start with an older end
         try:
@@ -435,15 +499,15 @@ class SwapOptimizer(torch.optim.Optimizer):
             # failing allocation leaves every param untouched (Note [failure semantics], swapopt.recovery).
             layout.pre_hosts = layout.preallocate(prep)
             self._snapshot_hyper(prep.group_ids)
-            run = pipeline.StepRun(self, prep, kwargs, self.operate.prefetched)
+            run = pipeline.StepRun(self._ctx, layout, prep, kwargs, self.operate.prefetched)
             run.run()
         except BaseException as exc:
             layout.pre_hosts = {}
-            self._hyper = {}
+            self._ctx.hyper = {}
             self._failed(exc)
             raise
         layout.pre_hosts = {}
-        self._hyper = {}
+        self._ctx.hyper = {}
         op, n = self.operate, len(prep.plan.chunks)
         st = self._stats
         first = st.steps == 0
@@ -451,7 +515,7 @@ class SwapOptimizer(torch.optim.Optimizer):
             h2d_bytes=run.h2d, d2h_bytes=run.d2h, chunks=n, peak_staging_bytes=op.peak_staging_bytes, steps=st.steps + 1
         )
         if first:  # the shape of the swap, once; swap_stats() has every step's counters
-            if self._device == "npu":
+            if self._ctx.device == "npu":
                 npu.check_pinned(layout.arenas.nbytes(), layout.arenas.pinned_bytes())
             logger.info(
                 "swapopt step 1: {} chunks, H2D {:.1f} MiB, D2H {:.1f} MiB, staging {:.1f} MiB, {} resident params",
@@ -462,7 +526,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         """Step-time copies of the tensor hyperparameters (lr tensors, tensor betas) of the given groups,
         made on the compute stream before the step's entry event: a scheduler may change the originals
         in place while the update still runs (overlap_forward; pipeline.run_inner reads the copies)."""
-        self._hyper = {}
+        self._ctx.hyper = {}
         if not self.operate.overlap:
             return
         for gi in set(groups):
@@ -472,7 +536,7 @@ class SwapOptimizer(torch.optim.Optimizer):
                     copy = self.operate.snapshot(value)
                     if copy is not value:
                         copies[key] = copy
-            self._hyper[gi] = copies
+            self._ctx.hyper[gi] = copies
 
     def _failed(self, exc: BaseException) -> None:
         """swap_stats() keeps the last successful step's counters and says the last step failed."""

@@ -36,7 +36,9 @@ import device
 from swapopt import hoststate, internals, recovery
 from swapopt.arena import itemsize
 from swapopt.hoststate import is_swapped_state, local, new_host_like, wrap_like
-from swapopt.layout import GRAD, Prepared, Region, same_objects
+from swapopt.context import StepContext
+from swapopt.layout import GRAD, HostLayout, Prepared, Region, same_objects
+from swapopt.masters import MASTER
 from swapopt.operate import step_range
 
 
@@ -87,39 +89,74 @@ class ChunkViews(list):
     slot: torch.Tensor | None
 
 
-def real_states(opt: Any, params: Iterable[torch.Tensor]) -> defaultdict:
+def real_states(ctx: StepContext, params: Iterable[torch.Tensor]) -> defaultdict:
     """A state mapping over the real per-param dicts, without creating entries torch would not."""
     chunk_state: defaultdict = defaultdict(dict)
     for p in params:
-        if p in opt.state:
-            chunk_state[p] = opt.state[p]
+        if p in ctx.state:
+            chunk_state[p] = ctx.state[p]
     return chunk_state
 
 
-def keep_new_states(opt: Any, chunk_state: dict) -> None:
+def keep_new_states(ctx: StepContext, chunk_state: dict) -> None:
     """Entries the inner optimizer created in a mapping from real_states become real ones."""
     for p, st in chunk_state.items():
-        if p not in opt.state:
-            opt.state[p] = st
+        if p not in ctx.state:
+            ctx.state[p] = st
 
 
-def run_inner(opt: Any, chunk_groups: dict[int, list[torch.Tensor]], chunk_state: Any, kwargs: dict) -> None:
+def step_in_place(ctx: StepContext, by_group: dict[int, list[torch.Tensor]], kwargs: dict) -> None:
+    """Step params where they are (params in host memory, or no accelerator), each low-precision param
+    through its master when master_weights is on (Note [master weights]: the master stays in host memory)."""
+    masters = ctx.masters
+    params = [p for ps in by_group.values() for p in ps]
+    stand_in: dict[torch.Tensor, torch.Tensor] = {}  # param -> the master stepped for it
+    for p in params:
+        if masters.wanted(p):
+            masters.ensure(p)
+            m = masters.get(p)
+            if p not in masters.ready:
+                masters.init_from(p, m)
+            m.grad = p.grad.float()
+            if masters.inv_scale is not None:
+                internals.amp_unscale_([m.grad], masters.inv_scale)
+            stand_in[p] = m
+    if not stand_in:
+        chunk_state = real_states(ctx, params)
+        run_inner(ctx, by_group, chunk_state, kwargs)
+        keep_new_states(ctx, chunk_state)
+        return
+    chunk_state: defaultdict = defaultdict(dict)
+    for p in params:
+        if p in ctx.state:  # the real dicts: states are updated where they live
+            chunk_state[stand_in.get(p, p)] = ctx.state[p]
+    run_inner(ctx, {gi: [stand_in.get(p, p) for p in ps] for gi, ps in by_group.items()}, chunk_state, kwargs)
+    for p in params:
+        t = stand_in.get(p, p)
+        if t in chunk_state and p not in ctx.state:
+            ctx.state[p] = chunk_state[t]
+    for p, m in stand_in.items():
+        local(p).detach().copy_(local(m))
+        m.grad = None
+
+
+def run_inner(ctx: StepContext, chunk_groups: dict[int, list[torch.Tensor]], chunk_state: Any, kwargs: dict) -> None:
     """One inner step over the given params and state; the shared groups and state are restored after.
     The step sees copies of the groups: a write to a group-level value would be lost, so it raises."""
     order = sorted(chunk_groups)
-    hyper = opt._hyper  # step-time copies of tensor hyperparameters (overlap_forward), else empty
-    groups = [dict(opt.param_groups[gi], params=chunk_groups[gi], **hyper.get(gi, {})) for gi in order]
-    run_groups(opt, order, groups, chunk_state, kwargs)
+    hyper = ctx.hyper  # step-time copies of tensor hyperparameters (overlap_forward), else empty
+    groups = [dict(ctx.param_groups[gi], params=chunk_groups[gi], **hyper.get(gi, {})) for gi in order]
+    run_groups(ctx, order, groups, chunk_state, kwargs)
 
 
-def run_groups(opt: Any, order: list[int], groups: list[dict], chunk_state: Any, kwargs: dict) -> None:
+def run_groups(ctx: StepContext, order: list[int], groups: list[dict], chunk_state: Any, kwargs: dict) -> None:
     """run_inner over ready copies ``groups`` of the param groups ``order`` (current hyperparameters)."""
-    inner = opt.optimizer
-    hyper = opt._hyper
+    inner = ctx.optimizer
+    hyper = ctx.hyper
     with internals.stepping_subset(inner, groups, chunk_state):
-        opt._step_fn(inner, **kwargs)
+        ctx.step_fn(inner, **kwargs)
     for gi, copy in zip(order, groups):
-        orig = opt.param_groups[gi]
+        orig = ctx.param_groups[gi]
         for key, value in copy.items():
             if key != "params" and (key not in orig or orig[key] is not value) and hyper.get(gi, {}).get(key) is not value:
                 raise RuntimeError(
@@ -135,16 +172,25 @@ class ChunkInputs:
     reused every step while the plan holds: the tensor stepped for each piece (the param itself when it
     is not split, else a flat view of its range), and copies of the chunk's param groups over those
     tensors. Per step only the flat pieces' grads are bound and the groups' other values refreshed (a
-    scheduler writes group["lr"] between steps)."""
+    scheduler writes group["lr"] between steps). A param stepped through its master (Note [master weights])
+    is stood for by its master's view into the slot, so the inputs hold only for the views they were made
+    with (``views``)."""
 
-    def __init__(self, run: "StepRun", k: int) -> None:
+    def __init__(self, run: "StepRun", k: int, views: Any) -> None:
         prep = run.prep
         self.targets: list[torch.Tensor] = []
         self.bound: list[tuple[int, int, torch.Tensor, int]] = []  # flat pieces: (position, param index, local param, its address)
+        self.masters: list[int] = []  # positions of the pieces stepped through their masters
+        self.views = None  # the chunk views the master targets look into (None: the chunk has no master)
         members: dict[int, list[torch.Tensor]] = defaultdict(list)
         for pos, piece in enumerate(prep.plan.chunks[k].pieces):
             p = prep.params[piece.index]
-            if prep.flat[piece.index]:
+            master = views[pos].get(MASTER) if views is not None else None
+            if master is not None:
+                t = master[0]
+                self.masters.append(pos)
+                self.views = views
+            elif prep.flat[piece.index]:
                 loc = local(p)
                 t = hoststate.flat_view(loc.detach())[piece.start : piece.stop]
                 self.bound.append((pos, piece.index, loc, loc.data_ptr()))
@@ -154,7 +200,7 @@ class ChunkInputs:
             members[prep.groups[piece.index]].append(t)
         self.order = sorted(members)
         self.members = [members[gi] for gi in self.order]
-        self.groups = [dict(run.opt.param_groups[gi], params=ps) for gi, ps in zip(self.order, self.members)]
+        self.groups = [dict(run.ctx.param_groups[gi], params=ps) for gi, ps in zip(self.order, self.members)]
         # Every piece a whole param and every state region moved by a run: when the inner step updated all
         # it was handed in place and added nothing, the chunk's swap-out is its runs and nothing is published
         # (StepRun.stepped_in_place), without looking at its pieces one by one.
@@ -186,19 +232,22 @@ class ChunkInputs:
             return None
         return kept[0], kept[1]
 
-    def valid(self, prep: Prepared) -> bool:
-        """The flat views still look at their params' memory (``p.data = ...`` rebinds it)."""
+    def valid(self, prep: Prepared, views: Any) -> bool:
+        """The flat views still look at their params' memory (``p.data = ...`` rebinds it), and the master
+        targets at this step's slot views."""
+        if self.views is not None and self.views is not views:
+            return False
         for _, i, loc, ptr in self.bound:
             now = local(prep.params[i])
             if now is not loc or now.data_ptr() != ptr:
                 return False
         return True
 
-    def refresh(self, opt: Any) -> list[dict]:
+    def refresh(self, ctx: StepContext) -> list[dict]:
         """The group copies with the groups' current values (and the step's hyperparameter copies)."""
-        hyper = opt._hyper
+        hyper = ctx.hyper
         for i, (gi, copy, ps) in enumerate(zip(self.order, self.groups, self.members)):
-            orig = opt.param_groups[gi]
+            orig = ctx.param_groups[gi]
             copy.update(orig)
             if len(copy) != len(orig):  # a key was removed from the group: copy it afresh
                 copy = self.groups[i] = dict(orig)
@@ -210,6 +259,8 @@ class ChunkInputs:
     def unbind(self) -> None:
         """Drop the flat pieces' grads: a cached view must not keep a grad (or a slot) alive between steps."""
         for pos, _, _, _ in self.bound:
+            self.targets[pos].grad = None
+        for pos in self.masters:
             self.targets[pos].grad = None
 
 
@@ -269,11 +320,13 @@ class ScalarWatch:
 class StepRun:
     """One swapped step over a prepared plan (stages in the module docstring)."""
 
-    def __init__(self, opt: Any, prep: Prepared, kwargs: dict, prefetched: Any = None) -> None:
-        self.opt = opt
+    def __init__(
+        self, ctx: StepContext, layout: HostLayout, prep: Prepared, kwargs: dict, prefetched: Any = None
+    ) -> None:
+        self.ctx = ctx
         self.prefetched = prefetched  # operate.Prefetched made for this plan: stage 1 already issued
-        self.layout = opt._layout
-        self.op = opt.operate
+        self.layout = layout
+        self.op = ctx.operate
         self.prep = prep
         self.kwargs = kwargs
         self.pending: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
@@ -292,7 +345,7 @@ class StepRun:
         n = len(prep.plan.chunks)
         try:
             pf = self.prefetched
-            op.begin(n, prep.slot_bytes, device.torch_device(self.opt._device), pf)
+            op.begin(n, prep.slot_bytes, device.torch_device(self.ctx.device), pf)
             ready = (pf.payload or {}) if pf is not None else {}  # empty when begin discarded it
             if op.overlap:  # zero_grad(set_to_none=True) may free them before the update read them
                 for p in prep.params:
@@ -332,7 +385,7 @@ class StepRun:
         if slot is None or r.nbytes == 0:  # nothing to stage (zero-element states): an empty tensor
             shape = r.shape if r.shape is not None else (0,)
             stride = r.stride if r.stride is not None else (1,)
-            return torch.empty_strided(shape, stride, dtype=r.dtype, device=device.torch_device(self.opt._device))
+            return torch.empty_strided(shape, stride, dtype=r.dtype, device=device.torch_device(self.ctx.device))
         size = itemsize(r.dtype)
         if r.offset % size:  # never with the plan's alignment; kept exact anyway
             v = slot[r.offset : r.offset + r.nbytes].view(r.dtype)
@@ -413,17 +466,17 @@ class StepRun:
             for i in prep.plan.resident:
                 chunk_groups[prep.groups[i]].append(prep.params[i])
             # the real dicts: resident states are updated where they live
-            chunk_state = real_states(self.opt, (prep.params[i] for i in prep.plan.resident))
-            run_inner(self.opt, chunk_groups, chunk_state, self.kwargs)
-            keep_new_states(self.opt, chunk_state)
+            chunk_state = real_states(self.ctx, (prep.params[i] for i in prep.plan.resident))
+            run_inner(self.ctx, chunk_groups, chunk_state, self.kwargs)
+            keep_new_states(self.ctx, chunk_state)
 
     # ----- stage 3: update ----------------------------------------------------------------------
     def inputs(self, k: int) -> ChunkInputs:
         """Chunk k's cached inputs (ChunkInputs), built at the plan's first step."""
         cache = self.prep.inputs
         ci = cache[k]
-        if ci is None or not ci.valid(self.prep):
-            ci = cache[k] = ChunkInputs(self, k)
+        if ci is None or not ci.valid(self.prep, self.views[k]):
+            ci = cache[k] = ChunkInputs(self, k, self.views[k])
         return ci
 
     def unbind_all(self) -> None:
@@ -439,10 +492,13 @@ class StepRun:
         own when the piece is the whole param (restored from the step's snapshot if its update fails,
         see snapshot_scalars), clones for a piece of a split param (written back once it is done).
         ``t``: the piece's cached target (ChunkInputs); None makes a fresh one (the failure path)."""
-        prep, state = self.prep, self.opt.state
+        prep, state = self.prep, self.ctx.state
         p = prep.params[piece.index]
         whole = prep.is_whole(piece)
-        if prep.flat[piece.index]:  # a leaf view of the flat range in memory order, its grad likewise
+        master = views.get(MASTER)
+        if master is not None:
+            t = self.master_input(piece, p, views, master[0], master[1])
+        elif prep.flat[piece.index]:  # a leaf view of the flat range in memory order, its grad likewise
             if t is None:
                 t = hoststate.flat_view(local(p).detach())[piece.start : piece.stop]
             g = local(p.grad)
@@ -467,6 +523,32 @@ class StepRun:
                 pst[key] = value
         return t, pst
 
+    def param_piece(self, piece, p: torch.Tensor) -> torch.Tensor:
+        """The piece's range of p's local tensor: flat in memory order for a flat piece, else all of it."""
+        loc = local(p).detach()
+        return hoststate.flat_view(loc)[piece.start : piece.stop] if self.prep.flat[piece.index] else loc
+
+    def master_input(self, piece, p: torch.Tensor, views: dict[str, tuple], t: torch.Tensor, slot: torch.Tensor):
+        """The master of a piece, as the inner optimizer steps it (Note [master weights]): its slot view
+        ``t`` (``slot`` its local tensor), made from the param when the master holds no value yet, with
+        the piece's grad upcast to fp32 into the slot (gathered in p's memory order when laid out unlike
+        p) and unscaled for GradScaler when the step does that itself."""
+        masters = self.ctx.masters
+        if p not in masters.ready:
+            slot.copy_(self.param_piece(piece, p))
+        buf = views[GRAD][1]
+        g = local(p.grad)
+        if not self.prep.flat[piece.index]:
+            buf.copy_(g)
+        elif self.prep.key[2][piece.index]:
+            hoststate.gather_range(buf, g.permute(hoststate.memory_order(local(p))), piece.start, piece.stop)
+        else:
+            buf.copy_(hoststate.flat_view(g)[piece.start : piece.stop])
+        if masters.inv_scale is not None:
+            internals.amp_unscale_([buf], masters.inv_scale)
+        t.grad = wrap_like(t, buf) if hoststate.is_dtensor(t) else buf
+        return t
+
     def update_and_swap_out(self, k: int) -> None:
         """Run the inner optimizer on chunk k's pieces, then queue their swap-out. ``progress`` tracks
         the stage reached for the failure path (Note [failure semantics])."""
@@ -488,10 +570,10 @@ class StepRun:
                     if pst is not None:
                         chunk_state[t] = pst
                 handed = self.handed(chunk_state) if ci.simple else None
-            groups = ci.refresh(self.opt)
+            groups = ci.refresh(self.ctx)
             progress["scalars"] = self.snapshots[k]
             progress["stage"] = ("update", k)
-            run_groups(self.opt, ci.order, groups, chunk_state, self.kwargs)
+            run_groups(self.ctx, ci.order, groups, chunk_state, self.kwargs)
             ci.unbind()  # the update is issued: the cached views let go of this step's grads
             progress["stage"] = ("output", k)
             progress["chunk"] = (targets, chunk_state, views)
@@ -523,7 +605,7 @@ class StepRun:
         watch = prep.scalars
         self.stale = watch.changed() if watch is not None else None
         if self.stale is None or self.stale:
-            watch = prep.scalars = ScalarWatch.of(prep, self.opt.state)
+            watch = prep.scalars = ScalarWatch.of(prep, self.ctx.state)
         per_chunk: list[tuple[list, list]] = [([], []) for _ in prep.plan.chunks]
         for members in watch.stacks:
             rows = torch.stack([value for _, value in members]).unbind(0)
@@ -558,6 +640,12 @@ class StepRun:
         p = self.prep.params[piece.index]
         flat = self.prep.flat[piece.index]
         copies, hold, scalars = [], [], {}
+        master = views.get(MASTER)
+        if master is not None:  # the param gets its stepped master, rounded to its dtype (Note [master weights])
+            _, slot_view, host = master
+            self.param_piece(piece, p).copy_(slot_view)
+            if host is not None and slot_view.numel():  # None: a run of the chunk copies it out
+                copies.append((host, slot_view))
         for key, value in pst.items():
             staged = views.get(key)
             if staged is not None:
@@ -597,10 +685,12 @@ class StepRun:
     def publish(self, p: torch.Tensor, scalars: dict[str, Any] | None) -> None:
         """p is fully stepped: its scalar states and the host states created this step become its state.
         ``scalars`` None: the inner optimizer made no state entry for p, so none is made (as in torch)."""
+        if p in self.ctx.masters.host:  # its master now holds a value on the host (Note [master weights])
+            self.ctx.masters.ready.add(p)
         created = self.pending.pop(p, None) if self.pending else None
-        if scalars is None and not created and p not in self.opt.state:
+        if scalars is None and not created and p not in self.ctx.state:
             return
-        st = self.opt.state[p]
+        st = self.ctx.state[p]
         if scalars:
             st.update(scalars)
         if created:
@@ -618,7 +708,7 @@ class StepRun:
             elif flat:
                 if src.dim() != 1:
                     raise RuntimeError(
-                        f"{type(self.opt.optimizer).__name__} created state {key!r} of shape {tuple(src.shape)} for a "
+                        f"{type(self.ctx.optimizer).__name__} created state {key!r} of shape {tuple(src.shape)} for a "
                         "flat piece, so it is not element-wise; it cannot be split across chunks"
                     )
                 states[key] = new_host_like(p, src.dtype)
@@ -627,24 +717,24 @@ class StepRun:
         return states[key]
 
 
-def prefetch(opt: Any, prep: Prepared) -> bool:
+def prefetch(ctx: StepContext, layout: HostLayout, prep: Prepared) -> bool:
     """Stage 1 of the next step over ``prep``, issued now: allocate its staging on the current stream and
     queue the swap-ins of its first S-1 chunks (swapopt.operate.prefetch_begin). The step adopts them if
     it runs this very plan; a re-plan discards them first (HostLayout.prepare). Returns whether anything
     was issued."""
-    op = opt.operate
+    op = ctx.operate
     n = len(prep.plan.chunks)
     ahead = op.slots_for(n) - 1
     if ahead < 1 or not prep.slot_bytes:  # one slot, or nothing staged: nothing can be swapped in ahead
         return False
-    pf = op.prefetch_begin(n, prep.slot_bytes, device.torch_device(opt._device))
-    run = StepRun(opt, prep, {})
+    pf = op.prefetch_begin(n, prep.slot_bytes, device.torch_device(ctx.device))
+    run = StepRun(ctx, layout, prep, {})
     try:
         pf.payload = {j: run.swap_in(j, ahead=True) for j in range(ahead)}
     except BaseException:
         op.discard_prefetch()  # only device copies of host states: dropping them loses nothing
         raise
-    _warn_if_prefetch_holds_most(opt, prep, ahead)
+    _warn_if_prefetch_holds_most(ctx, prep, ahead)
     return True
 
 
@@ -653,12 +743,11 @@ def prefetch(opt: Any, prep: Prepared) -> bool:
 PREFETCH_SHARE_WARNING = 1 / 3
 
 
-def _warn_if_prefetch_holds_most(opt: Any, prep: Prepared, ahead: int) -> None:
+def _warn_if_prefetch_holds_most(ctx: StepContext, prep: Prepared, ahead: int) -> None:
     total = prep.plan.total_bytes
     held = sum(c.nbytes for c in prep.plan.chunks[:ahead])
-    if "prefetch-share" in opt._warned or not total or held / total <= PREFETCH_SHARE_WARNING:
+    if not total or held / total <= PREFETCH_SHARE_WARNING or not ctx.warn_once("prefetch-share"):
         return
-    opt._warned.add("prefetch-share")
     warnings.warn(
         f"swapopt: prefetch holds {held / total:.0%} of the swapped states on the device through the backward "
         f"({ahead} of {len(prep.plan.chunks)} chunks); raise swap_optimizer_times (or lower chunk_mb) so that "

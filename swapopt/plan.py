@@ -24,6 +24,13 @@ EXTRA_CHUNKS = 1.5  # with swap_optimizer_times=T, up to 1.5 T chunks to keep pa
 # RAMP_MIN_CHUNKS chunks have none: the fill is a large share of any short pipeline, but a user asking for
 # a few chunks asks for that many. With prefetch (the first chunks swapped in under the backward) there is
 # no ramp either: larger prefetched chunks carry more of the first layers' states in ahead of the step.
+#
+# The step's last swap-out is the mirror image: nothing is left to swap in beside it, so it runs alone on the
+# link, at one direction's rate where both together would carry the cap (Note [link sharing] in
+# device/sim/presets.py). So plans of RAMP_MIN_CHUNKS or more chunks also end smaller, 1/2, 1/4, ...,
+# 1/2**RAMP of the budget (the same floor on their size), with or without prefetch: the chunk before them
+# takes what is left over, so every chunk stays within the budget. Both ends keep the memory cap of
+# (slots + 1) x budget; each costs up to RAMP more chunks.
 RAMP = 3
 RAMP_MIN_BYTES = 512 << 10
 RAMP_MIN_CHUNKS = 8
@@ -95,6 +102,24 @@ def ramp_budgets(budget: int) -> tuple[int, ...]:
     return tuple(b for b in (budget >> j for j in range(RAMP, 0, -1)) if b >= RAMP_MIN_BYTES)
 
 
+def tail_budgets(budget: int) -> tuple[int, ...]:
+    """Budgets of the last, smaller chunks of a plan with chunks of ``budget`` bytes (Note [ramp])."""
+    return tuple(reversed(ramp_budgets(budget)))
+
+
+def _tail_sequence(left: int, full: int, tail: Sequence[int]) -> list[int]:
+    """Budgets of the chunks that hold the last ``left`` bytes (at most two full chunks and the tail): the
+    bytes above the tail in as few even chunks as fit the budget, then the tail; bytes above it smaller than
+    its first chunk join that chunk, so the sizes only fall."""
+    over = left - sum(tail)
+    if over <= 0:
+        return list(tail)
+    if over < tail[0]:
+        return [min(over + tail[0], full), *tail[1:]]
+    n = -(-over // full)
+    return [-(-over // n)] * n + list(tail)
+
+
 def chunk_pieces(
     sizes: Sequence[ParamSize],
     budget: int,
@@ -102,6 +127,7 @@ def chunk_pieces(
     *,
     keep_whole: bool = False,
     ramp: Sequence[int] = (),
+    tail: Sequence[int] = (),
 ) -> list[Chunk]:
     """Greedy, order-preserving cut of ``sizes`` into chunks of at most ``budget`` state bytes.
 
@@ -109,36 +135,55 @@ def chunk_pieces(
     the budget, or a single ``align``-element block of a splittable param. With ``keep_whole`` a
     splittable param that fits an empty chunk starts a new chunk instead of being cut: only params
     larger than the budget are split (a split param costs extra work on the failure path).
-    ``ramp``: smaller budgets of the first chunks (Note [ramp]), which cut splittable params even with
-    ``keep_whole``.
+    ``ramp``: smaller budgets of the first chunks, ``tail`` of the last ones, largest first (Note [ramp]);
+    both cut splittable params even with ``keep_whole``. The last chunk takes what is left, up to the full
+    budget: cutting at aligned blocks leaves the tail's sizes a little off.
     """
     if align < 1:
         raise ValueError(f"align must be >= 1, got {align}")
+    sizes = list(sizes)
     full = max(int(budget), 1)
     ramp = [min(max(int(b), 1), full) for b in ramp]
+    tail = [min(max(int(b), 1), full) for b in tail]
     chunks: list[Chunk] = []
     pieces: list[Piece] = []
     used = 0
     budget = ramp[0] if ramp else full  # of the chunk being filled
+    left = sum(s.state_bytes + s.pad_bytes for s in sizes)  # bytes not yet placed in a chunk
+    ending: list[int] = []  # once the tail is reached: budgets of the chunks after the one being filled
+    tail_from: int | None = None  # the chunk the tail (with the chunk before it) starts at
 
     def close() -> None:
-        nonlocal pieces, used, budget
+        nonlocal pieces, used, budget, ending, tail_from
         if pieces:
             chunks.append(Chunk(tuple(pieces), used))
-            budget = ramp[len(chunks)] if len(chunks) < len(ramp) else full
+            if len(chunks) < len(ramp):
+                budget = ramp[len(chunks)]
+            else:
+                if tail and tail_from is None and left <= 2 * full + sum(tail):
+                    ending, tail_from = _tail_sequence(left, full, tail), len(chunks)
+                budget = ending.pop(0) if ending else full
+                if tail_from is not None and not ending:
+                    budget = full  # the last chunk takes whatever is left
         pieces, used = [], 0
+
+    def in_ends() -> bool:
+        """The chunk being filled is a ramp chunk or one before the last of the tail: they cut params to
+        their budget."""
+        return len(chunks) < len(ramp) or bool(ending)
 
     for size in sizes:
         if size.numel < 0 or size.state_bytes < 0:
             raise ValueError(f"negative size in {size}")
         pad = size.pad_bytes
-        # ramp chunks cut params to their budget: one whole param there would undo the ramp
-        fits_whole = keep_whole and size.state_bytes + pad <= full and len(chunks) >= len(ramp)
+        # ramp and tail chunks cut params to their budget: one whole param there would undo the ramp
+        fits_whole = keep_whole and size.state_bytes + pad <= full and not in_ends()
         if not size.splittable or fits_whole or size.numel == 0 or size.state_bytes == 0:
             if pieces and size.state_bytes and used + size.state_bytes + pad > budget:
                 close()  # a full chunk is closed by the next piece that carries bytes
             pieces.append(Piece(size.index, 0, size.numel))
             used += size.state_bytes + pad
+            left -= size.state_bytes + pad
             continue
         if size.state_bytes % size.numel:
             raise ValueError(f"splittable param {size.index}: state bytes not a multiple of numel")
@@ -156,6 +201,7 @@ def chunk_pieces(
                     stop = min(size.numel, start + align)  # budget below one block: one block
             pieces.append(Piece(size.index, start, stop))
             used += (stop - start) * eb + pad
+            left -= (stop - start) * eb + (pad if stop == size.numel else 0)
             start = stop
     close()
     return chunks
@@ -201,6 +247,7 @@ def make_plan(
     resident_bytes: int = 0,
     align: int = DEFAULT_ALIGN,
     ramp: bool = True,
+    tail: bool = True,
 ) -> Plan:
     """Plan one step: resident params first, then chunks of the rest.
 
@@ -210,7 +257,7 @@ def make_plan(
     them whole, if at most ``EXTRA_CHUNKS`` x ``times``; else the smallest budget that keeps alignment
     rounding from adding chunks beyond ``times``. Either way the first chunks ramp up (Note [ramp]),
     unless ``ramp`` is False (the optimizer prefetches its first chunks under the backward: there larger
-    first chunks carry more of the first layers in).
+    first chunks carry more of the first layers in), and the last chunks ramp down unless ``tail`` is False.
     """
     if times < 1:
         raise ValueError(f"swap_optimizer_times must be >= 1, got {times}")
@@ -221,8 +268,10 @@ def make_plan(
     total = sum(s.state_bytes + s.pad_bytes for s in swapped)
     if chunk_bytes is not None:
         budget = max(1, int(chunk_bytes))
-        ramps = ramp_budgets(budget) if ramp and total >= RAMP_MIN_CHUNKS * budget else ()
-        chunks = chunk_pieces(swapped, budget, align, keep_whole=True, ramp=ramps)
+        ends = total >= RAMP_MIN_CHUNKS * budget
+        ramps = ramp_budgets(budget) if ramp and ends else ()
+        tails = tail_budgets(budget) if tail and ends else ()
+        chunks = chunk_pieces(swapped, budget, align, keep_whole=True, ramp=ramps, tail=tails)
     else:
         # Prefer whole params (no cuts at chunk boundaries): a cut costs a copy per state and direction in
         # each chunk it spans and extra work on the failure path. Keep them whole when that costs at most a
@@ -242,6 +291,7 @@ def make_plan(
         if not keep_whole:
             budget = _smallest_budget(swapped, base, max(total, 1), times, align, keep_whole=False)
         ramps = ramp_budgets(budget) if ramp and times >= RAMP_MIN_CHUNKS else ()
-        chunks = chunk_pieces(swapped, budget, align, keep_whole=keep_whole, ramp=ramps)
+        tails = tail_budgets(budget) if tail and times >= RAMP_MIN_CHUNKS else ()
+        chunks = chunk_pieces(swapped, budget, align, keep_whole=keep_whole, ramp=ramps, tail=tails)
     last = {p.index: k for k, c in enumerate(chunks) for p in c.pieces}
     return Plan(tuple(chunks), resident, budget, last)

@@ -40,12 +40,12 @@ from swapopt.operate import step_range
 
 def recover(run: Any) -> None:
     """The failure path of a StepRun (Note [failure semantics]): drain, complete, roll forward."""
-    opt, prep, progress = run.opt, run.prep, run.progress
+    ctx, prep, progress = run.ctx, run.prep, run.progress
     stage, k = progress.get("stage", ("done", -1))
     chunk = progress.pop("chunk", None)
     scalars = progress.pop("scalars", None)
     try:
-        opt.operate.drain()
+        ctx.operate.drain()
         failed, entered = k + 1, False
         if stage in ("input", "update"):
             failed, entered = k, stage == "update"
@@ -62,7 +62,7 @@ def recover(run: Any) -> None:
             logger.error(
                 "swapopt: step failed inside the update of chunk {}; these params may be partly updated in "
                 "place and keep their old states and step counts: {}",
-                failed, "; ".join(_name(opt, prep, i) for i in names),
+                failed, "; ".join(_name(ctx, prep, i) for i in names),
             )  # fmt: skip
         _roll_forward(run, failed, entered)
     except BaseException:  # noqa: BLE001 - never mask the original exception
@@ -90,10 +90,10 @@ def _complete_chunk(run: Any, k: int, chunk: tuple | None) -> bool:
     return True
 
 
-def _name(opt: Any, prep: Any, i: int) -> str:
+def _name(ctx: Any, prep: Any, i: int) -> str:
     p = prep.params[i]
     gi = prep.groups[i]
-    j = next(j for j, q in enumerate(opt.param_groups[gi]["params"]) if q is p)
+    j = next(j for j, q in enumerate(ctx.param_groups[gi]["params"]) if q is p)
     return f"param_groups[{gi}]['params'][{j}] of shape {tuple(p.shape)}"
 
 
@@ -108,7 +108,7 @@ def _roll_forward(run: Any, failed: int, entered: bool) -> None:
     so the param is left as it is: pieces before the chunk stepped, the rest with its old host
     states, its scalar states old; an ERROR names it.
     """
-    opt, prep, pending = run.opt, run.prep, run.pending
+    ctx, prep, pending = run.ctx, run.prep, run.pending
     plan = prep.plan
     begun = {pc.index for c in plan.chunks[:failed] for pc in c.pieces}
     rolled = 0
@@ -126,7 +126,7 @@ def _roll_forward(run: Any, failed: int, entered: bool) -> None:
                 "swapopt: step failed inside the update of chunk {}; {} was split across it and is left "
                 "partially stepped: elements [0, {}) were stepped, the rest keep their old states (elements "
                 "[{}, {}) were in the failed update and may be partially updated in place); step count old{}",
-                failed, _name(opt, prep, i), cut, cut, stop,
+                failed, _name(ctx, prep, i), cut, cut, stop,
                 "; the states this step created for it are dropped" if p not in run.layout.host else "",
             )  # fmt: skip
             continue
@@ -143,7 +143,7 @@ def _roll_forward(run: Any, failed: int, entered: bool) -> None:
                 "swapopt: step failed in chunk {}; completing {} failed too ({!r}): elements [0, {}) were "
                 "stepped, the rest keep their old states (the piece from element {} on may be partially "
                 "updated in place); step count old{}",
-                failed, _name(opt, prep, i), exc, cut, cut,
+                failed, _name(ctx, prep, i), exc, cut, cut,
                 "; the states this step created for it are dropped" if created else "",
             )  # fmt: skip
     if rolled:
@@ -156,9 +156,9 @@ def _recover_piece(run: Any, j: int, pos: int) -> dict[str, Any] | None:
     piece's scalar states when it is its param's last piece."""
     from swapopt.pipeline import run_inner  # the pipeline imports this module
 
-    opt, prep, op = run.opt, run.prep, run.op
+    ctx, prep, op = run.ctx, run.prep, run.op
     piece = prep.plan.chunks[j].pieces[pos]
-    dev = device.torch_device(opt._device)
+    dev = device.torch_device(ctx.device)
     with op.mod.stream(op.compute_stream), step_range(f"swapopt.recover[{j}]"):
         views: dict[str, tuple] = {}
         for r in prep.regions[j]:
@@ -173,7 +173,7 @@ def _recover_piece(run: Any, j: int, pos: int) -> dict[str, Any] | None:
         chunk_state: defaultdict = defaultdict(dict)
         if pst is not None:
             chunk_state[t] = pst
-        run_inner(opt, {prep.groups[piece.index]: [t]}, chunk_state, run.kwargs)
+        run_inner(ctx, {prep.groups[piece.index]: [t]}, chunk_state, run.kwargs)
         entered = t in chunk_state
         copies, _, scalars = run.piece_output(piece, t, chunk_state[t] if entered else {}, views)
         for dst, src in copies:

@@ -16,7 +16,7 @@ import torch
 from loguru import logger
 
 import device
-from swapopt.hoststate import _constructor_kwargs as _ctor_kwargs, local
+from swapopt.hoststate import constructor_kwargs as _ctor_kwargs, local
 from swapopt.hoststate import raw_step as _raw_step
 
 # Probe dims: distinct and never 1, so each dim of a state maps back to the param dim it came from

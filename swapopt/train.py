@@ -178,6 +178,7 @@ def run(cfg: EngineConfig, console: Console, label: str = "train", modeled: bool
             metrics_file = open(path, "a" if tcfg.resume else "w")
         summary = {"start_step": engine.step, "losses": [], "mem_peak_bytes": None, "swap_bytes": 0,
                    "h2d_bytes": 0, "d2h_bytes": 0, "n_params": engine.n_params, "swapping": engine.swapping,
+                   "master_weights": cfg.optim.master_weights and engine.swapping, "dtype": cfg.model.dtype,
                    "world_size": engine.world_size, "rank": engine.rank}
         written = engine.step
         start = time.perf_counter()
@@ -243,23 +244,37 @@ def run(cfg: EngineConfig, console: Console, label: str = "train", modeled: bool
     return summary
 
 
-def resident_baseline(cfg: EngineConfig) -> EngineConfig:
-    """The same job with swapping off, short, writing nothing."""
-    raw = cfg.model_dump()
-    raw["optim"]["swap_optimizer"] = False
-    raw["train"].update(steps=cfg.train.compare_resident, checkpoint_dir=None, resume=None, metrics_path=None,
-                        compare_resident=0)
-    raw["rl"] = None
-    return EngineConfig.model_validate(raw)
+def baselines(cfg: EngineConfig) -> list[tuple[str, EngineConfig]]:
+    """The jobs the summary compares with, short and writing nothing: swapping off; for a job that swaps fp32
+    masters of bf16 params (master_weights), fp32 params resident and fp32 params with their states swapped,
+    which keep on the device what the masters job takes off it."""
+    def variant(**optim: Any) -> EngineConfig:
+        raw = cfg.model_dump()
+        raw["optim"].update(optim)
+        raw["train"].update(steps=cfg.train.compare_resident, checkpoint_dir=None, resume=None, metrics_path=None,
+                            compare_resident=0)
+        raw["rl"] = None
+        if cfg.optim.master_weights:
+            raw["model"]["dtype"] = "float32"
+            raw["optim"]["master_weights"] = False
+        return EngineConfig.model_validate(raw)
+
+    resident = ("resident baseline (swap_optimizer=False)", variant(swap_optimizer=False))
+    if not cfg.optim.master_weights:
+        return [resident]
+    resident = ("resident baseline (fp32 params, swap_optimizer=False)", resident[1])
+    return [resident, ("states swapped (fp32 params, master_weights=False)", variant())]
 
 
-def print_summary(console: Console, s: dict[str, Any], base: dict[str, Any] | None, plan: DevicePlan) -> None:
+def print_summary(console: Console, s: dict[str, Any], bases: list[tuple[str, dict[str, Any]]], plan: DevicePlan) -> None:
     steps = len(s["losses"])
     final = f"{s['losses'][-1]:.4f}" if steps else "n/a"
     clock = " wall clock (the simulator's CPU time; step times above are modeled)" if plan.kind == "sim" else ""
     console.print(f"done: {steps} steps ({s['start_step']} -> {s['start_step'] + steps}) in {s['seconds']:.1f} s"
                   f"{clock}, final loss {final}, {s['n_params'] / 1e6:.2f}M params, world size {s['world_size']}")
     mode = "swap_optimizer=True" if s["swapping"] else "swap_optimizer=False (resident)"
+    if s.get("master_weights"):
+        mode += f", master_weights=True ({s.get('dtype', 'bf16')} params)"
     if s["world_size"] > 1:
         mode += f", rank 0 of {s['world_size']}"
     console.print(f"peak device memory, {mode}: {_fmt_bytes(s['mem_peak_bytes'])}")
@@ -269,21 +284,19 @@ def print_summary(console: Console, s: dict[str, Any], base: dict[str, Any] | No
         else:
             console.print(f"optimizer traffic per step: {_fmt_bytes(s['h2d_bytes'] // steps)} in (H2D), "
                           f"{_fmt_bytes(s['d2h_bytes'] // steps)} out (D2H)")
-    if base is None:
-        return
-    if "oom" in base:
-        console.print(f"resident baseline (swap_optimizer=False): out of device memory: {base['oom']}")
-        return
-    console.print(f"resident baseline ({len(base['losses'])} steps, swap_optimizer=False), peak device memory: "
-                  f"{_fmt_bytes(base['mem_peak_bytes'])}")
-    if s["mem_peak_bytes"] and base["mem_peak_bytes"]:
-        saved = base["mem_peak_bytes"] - s["mem_peak_bytes"]
-        console.print(f"swapping saves {_fmt_bytes(saved)} of device memory "
-                      f"({100 * saved / base['mem_peak_bytes']:.0f}% of the resident peak)")
-    if s["start_step"] == 0:
-        n = min(len(base["losses"]), steps)
-        same = s["losses"][:n] == base["losses"][:n]
-        console.print(f"losses of the first {n} steps bitwise equal to the resident baseline: {same}")
+    for label, base in bases:
+        if "oom" in base:
+            console.print(f"{label}: out of device memory: {base['oom']}")
+            continue
+        console.print(f"{label}, {len(base['losses'])} steps, peak device memory: {_fmt_bytes(base['mem_peak_bytes'])}")
+        if s["mem_peak_bytes"] and base["mem_peak_bytes"]:
+            saved = base["mem_peak_bytes"] - s["mem_peak_bytes"]
+            console.print(f"  this job saves {_fmt_bytes(saved)} of device memory against it "
+                          f"({100 * saved / base['mem_peak_bytes']:.0f}% of its peak)")
+        if s["start_step"] == 0 and not s.get("master_weights"):  # the same numbers: bitwise equal losses
+            n = min(len(base["losses"]), steps)
+            same = s["losses"][:n] == base["losses"][:n]
+            console.print(f"  losses of the first {n} steps bitwise equal to the {label.split(' (')[0]}: {same}")
 
 
 def _rank() -> int:
@@ -417,19 +430,19 @@ def _main(args: argparse.Namespace, raw_args: list[str]) -> int:
             except KeyboardInterrupt:  # before the engine existed (simulator start-up)
                 guard.acknowledge()
                 raise Interrupted(resumed_step or 0, Path(cfg.train.resume) if cfg.train.resume else None) from None
-            baseline = None
-            if cfg.train.compare_resident and cfg.optim.swap_optimizer:
+            bases: list[tuple[str, dict[str, Any]]] = []
+            for label, base_cfg in baselines(cfg) if cfg.train.compare_resident and cfg.optim.swap_optimizer else ():
                 gc.collect()
                 try:
                     with device_context(cfg, plan):
-                        baseline = run(resident_baseline(cfg), out, label="resident baseline", modeled=modeled,
-                                       guard=guard)
+                        bases.append((label, run(base_cfg, out, label=label.split(" (")[0], modeled=modeled,
+                                                 guard=guard)))  # fmt: skip
                 except torch.OutOfMemoryError as err:  # the point of swapping: the resident job does not fit
-                    baseline = {"oom": str(err).splitlines()[0]}
+                    bases.append((label, {"oom": str(err).splitlines()[0]}))
                 except (Interrupted, KeyboardInterrupt):
                     guard.acknowledge()
                     if main_rank:
-                        console.print("interrupted during the resident baseline; training itself had finished")
+                        console.print(f"interrupted during the {label}; training itself had finished")
                     return EXIT_INTERRUPTED
         except ConfigError as err:  # the swap engine refused the optimizer: nothing was trained or written
             return _error(console, err)
@@ -438,7 +451,7 @@ def _main(args: argparse.Namespace, raw_args: list[str]) -> int:
                 console.print(interrupted_line(stop.step, stop.checkpoint, raw_args))
             return EXIT_INTERRUPTED
     if main_rank:
-        print_summary(console, summary, baseline, plan)
+        print_summary(console, summary, bases, plan)
     return 0
 
 

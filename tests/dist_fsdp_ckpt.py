@@ -3,7 +3,8 @@
 Trains a tiny model whose dims do not divide by the world size, sharded with ``fully_shard`` on a mesh of
 the (simulated) device (gloo), with SwapOptimizer(AdamW) (or plain AdamW: ``plain=1``). Optionally loads a DCP checkpoint
 first, saves one after training, and dumps the full params and optimizer states (gathered) to a file.
-Usage: dist_fsdp_ckpt.py JOB [JOB ...], a JOB being e.g. ``load=DIR,start=3,steps=3,dump=FILE``.
+Usage: dist_fsdp_ckpt.py JOB [JOB ...], a JOB being e.g. ``load=DIR,start=3,steps=3,dump=FILE``; ``mw=1``: bf16
+params with master_weights (``recipe=1``: the hand-written master-weights recipe instead of SwapOptimizer).
 """
 
 from __future__ import annotations
@@ -28,20 +29,46 @@ from dist_utils import end_rank, live_device_bytes, sharded_mlp
 from swapopt import SwapOptimizer
 
 
-def build(world_size: int, plain: bool):
-    # 7, 5 and 3 rows: uneven shards on 2 ranks (4+3, 3+2, 2+1).
+class Recipe:
+    """Note [master weights]'s recipe over FSDP2's bf16 shards, resident: fp32 DTensor masters stepped by a plain
+    AdamW with master.grad = p.grad.float(), then p.copy_(master)."""
+
+    def __init__(self, model) -> None:
+        self.params = list(model.parameters())
+        self.masters = [p.detach().float() for p in self.params]
+        self.opt = torch.optim.AdamW(self.masters, lr=1e-2, weight_decay=0.1, foreach=True)
+
+    def step(self) -> None:
+        for p, m in zip(self.params, self.masters):
+            m.grad = p.grad.float()
+        self.opt.step()
+        with torch.no_grad():
+            for p, m in zip(self.params, self.masters):
+                p.copy_(m)
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+
+def build(world_size: int, plain: bool, masters: bool = False, recipe: bool = False):
+    # 7, 5 and 3 rows: uneven shards on 2 ranks (4+3, 3+2, 2+1). ``masters``: bf16 params, master_weights.
+    dtype = torch.bfloat16 if masters else torch.float32
     with device.torch_device():  # built on the device, as FSDP2 keeps it (mesh of the device's type)
-        model = sharded_mlp((6, 7, 5, 3), world_size, mesh_device=device.torch_device().type)
+        model = sharded_mlp((6, 7, 5, 3), world_size, mesh_device=device.torch_device().type, dtype=dtype)
+    if recipe:
+        return model, Recipe(model)
     inner = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=True)
-    opt = inner if plain else SwapOptimizer(inner, swap_optimizer_times=3)
+    opt = inner if plain else SwapOptimizer(inner, swap_optimizer_times=3, master_weights=masters)
     return model, opt
 
 
 def train(model, opt, start: int, steps: int, rank: int) -> None:
+    dtype = next(model.parameters()).dtype
     for step in range(start, start + steps):
         g = torch.Generator().manual_seed(1000 * step + rank)
-        x = torch.randn(4, 6, generator=g).to(device.torch_device())
-        loss = model(x).pow(2).mean()
+        x = torch.randn(4, 6, generator=g).to(device.torch_device()).to(dtype)
+        loss = model(x).float().pow(2).mean()
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -90,7 +117,14 @@ def run(spec: str, rank: int, world_size: int) -> None:
     """One job: ``key=value`` pairs separated by commas (plain, load, loadfull, broadcast, start, steps, save,
     dump)."""
     job = dict(kv.split("=", 1) for kv in spec.split(",") if kv)
-    model, opt = build(world_size, plain=job.get("plain") == "1")
+    model, opt = build(world_size, plain=job.get("plain") == "1", masters=job.get("mw") == "1",
+                       recipe=job.get("recipe") == "1")  # fmt: skip
+    if isinstance(opt, Recipe):
+        train(model, opt, int(job.get("start", 0)), int(job.get("steps", 0)), rank)
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if rank == 0:
+            torch.save({"model": full}, job["dump"])
+        return
     if "load" in job:
         sd = state(model, opt)  # on a fresh optimizer this runs DCP's zero-grad step to create the states
         dcp.load(sd, checkpoint_id=job["load"])

@@ -158,10 +158,12 @@ def make_model(seed: int = 0) -> nn.Module:
     return nn.Sequential(nn.Linear(16, 24), nn.Tanh(), nn.Linear(24, 8))
 
 
-def sharded_mlp(dims: tuple[int, ...], world_size: int, mesh_device: str = "cpu") -> nn.Module:
-    """Linear layers of ``dims`` with Tanh between them (seed 0), each and the root sharded with FSDP2's
-    fully_shard on a mesh of ``world_size`` ranks (a process group must exist) of device type ``mesh_device``
-    (FSDP2 moves the params there: CPU by default)."""
+def sharded_mlp(
+    dims: tuple[int, ...], world_size: int, mesh_device: str = "cpu", dtype: torch.dtype = torch.float32
+) -> nn.Module:
+    """Linear layers of ``dims`` with Tanh between them (seed 0, params of ``dtype``), each and the root sharded
+    with FSDP2's fully_shard on a mesh of ``world_size`` ranks (a process group must exist) of device type
+    ``mesh_device`` (FSDP2 moves the params there: CPU by default)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -169,7 +171,7 @@ def sharded_mlp(dims: tuple[int, ...], world_size: int, mesh_device: str = "cpu"
     layers: list[nn.Module] = []
     for i, (a, b) in enumerate(zip(dims, dims[1:])):
         layers += [nn.Linear(a, b)] + ([nn.Tanh()] if i < len(dims) - 2 else [])
-    model = nn.Sequential(*layers)
+    model = nn.Sequential(*layers).to(dtype)
     mesh = init_device_mesh(mesh_device, (world_size,))
     for layer in model:
         if isinstance(layer, nn.Linear):

@@ -27,14 +27,14 @@ def _on_host(t: torch.Tensor) -> torch.Tensor:
     return h
 
 
-def _run(kind: str, spec: AdamWSpec, steps: int = 3, **kw):
-    params = make_params(SHAPES, seed=1)
+def _run(kind: str, spec: AdamWSpec, steps: int = 3, dtype: torch.dtype = torch.float32, **kw):
+    params = make_params(SHAPES, seed=1, dtype=dtype)
     strategy = make_strategy(kind, params, spec, **kw)
     gen = torch.Generator().manual_seed(7)
     for _ in range(steps):
         for p in params:
             # Fresh grads each step, identical across strategies (same generator sequence).
-            p.grad.copy_(torch.randn(p.shape, generator=gen))
+            p.grad.copy_(torch.randn(p.shape, generator=gen).to(dtype))
         strategy.step()
         strategy.drain()
     return params, strategy
@@ -235,3 +235,26 @@ def test_e2e_run_on_the_simulator_reports_every_field_and_draws_the_update_lane(
     assert len(marks) == 2 and 0 <= marks[0] < marks[1]  # the two steps' starts
     table = e2e_table([row], modeled=True)
     assert "overlap efficiency" in table and "tiny (model.dim=32" in table and "(modeled)" in table
+
+
+MASTER_CASES = [("serial", {}), ("one-in-flight", {"times": 4}), ("swapopt", {"times": 3, "slots": 2})]
+
+
+@pytest.mark.parametrize("impl", ["fused", "foreach"])
+@pytest.mark.parametrize(("kind", "kw"), MASTER_CASES, ids=[f"{k}-{kw}" for k, kw in MASTER_CASES])
+def test_master_weight_strategies_equal_the_resident_recipe(kind, kw, impl):
+    # bf16 params through fp32 masters: each schedule's params and states equal the recipe run resident
+    spec = AdamWSpec(impl=impl, master_weights=True)
+    with sim.activate("h100", sanitize=True):
+        ref_params, ref = _run("resident", spec, dtype=torch.bfloat16)
+        params, strategy = _run(kind, spec, dtype=torch.bfloat16, **kw)
+        assert all(p.dtype == torch.bfloat16 for p in params)
+        for rp, p in zip(ref_params, params):
+            assert torch.equal(rp, p), kind
+            ref_state, state = ref.state_of(rp), strategy.state_of(p)
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert state[key].dtype == torch.float32, (kind, key)
+                assert torch.equal(_on_host(ref_state[key]), _on_host(state[key])), (kind, key)
+        assert not torch.equal(params[0], make_params(SHAPES, seed=1, dtype=torch.bfloat16)[0])
+    with pytest.raises(ValueError, match="no master-weights form"):
+        make_strategy("host-step", params, spec)

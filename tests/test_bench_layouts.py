@@ -163,6 +163,8 @@ def test_layout_run_rows_have_every_field(sim):
     resident, *swapped = res.rows
     assert resident.launches >= 1 and resident.h2d_copies == resident.d2h_copies == 0
     assert res.bound_ms >= res.resident_ms > 0
+    assert res.link_sharing == sim.preset.link_sharing
+    assert res.floor_ms == pytest.approx(sim.preset.link_floor_us(res.state_bytes, res.state_bytes) / 1e3)
     for r, k in zip(swapped, (2, 4)):
         assert r.times == k and r.slots == 3 and r.chunks >= 1
         assert r.launch_target == (resident.launches + 3) * r.chunks + 8
@@ -170,7 +172,9 @@ def test_layout_run_rows_have_every_field(sim):
         assert r.h2d_copies >= r.chunks and r.d2h_copies >= r.chunks
         assert r.launches >= r.h2d_copies + r.d2h_copies
         assert r.step_ms > 0 and r.ratio == pytest.approx(r.step_ms / res.bound_ms)
-        assert r.cap_bytes == 4 * r.chunk_bytes and r.peak_extra_bytes > 0
+        assert r.cap_bytes == 4 * r.chunk_bytes and 0 < r.peak_extra_bytes <= r.cap_bytes
+        # the floor: never above the step, and the simulator's preset's under its sharing rule
+        assert r.floor_ratio == pytest.approx(r.step_ms / res.floor_ms) and r.floor_ratio >= 1.0
         assert r.pinned_bytes > 0 and r.cpu_ms > 0 and r.host_ms is not None
         assert r.extra_host_us_per_param is not None
     again = derive(LayoutResult.model_validate_json(res.model_dump_json()))

@@ -67,3 +67,25 @@ def test_save_with_one_rank_load_with_two(runs):
 def test_full_state_dict_loads_into_uneven_shards(runs):
     assert_same(runs("full3.pt"), runs("full3_via_load_state_dict.pt"))
     assert_same(runs("full3.pt"), runs("full3_via_broadcast.pt"))
+
+
+@pytest.fixture(scope="module")
+def master_runs(tmp_path_factory):
+    """bf16 shards with master_weights on 2 ranks: uninterrupted, the recipe, and a DCP resume in the middle."""
+    d = tmp_path_factory.mktemp("fsdp_masters")
+    launch("dist_fsdp_ckpt.py", 2,
+           f"mw=1,steps=6,dump={d}/full6.pt",
+           f"mw=1,recipe=1,steps=6,dump={d}/recipe6.pt",
+           f"mw=1,steps=3,save={d}/ckpt3")
+    launch("dist_fsdp_ckpt.py", 2, f"mw=1,load={d}/ckpt3,start=3,steps=3,dump={d}/resumed.pt")
+    return lambda name: torch.load(d / name)
+
+
+def test_master_weights_on_two_ranks_match_the_recipe_and_resume_bitwise(master_runs):
+    full = master_runs("full6.pt")
+    assert all(v.dtype == torch.bfloat16 for v in full["model"].values())
+    assert_same(full["model"], master_runs("recipe6.pt")["model"])
+    # the masters go through DCP with the states: the resumed run continues bitwise, masters included
+    masters = [k for st in full["optim"]["state"].values() for k in st if k == "master_weight"]
+    assert len(masters) == len(full["model"])
+    assert_same(master_runs("resumed.pt"), full)

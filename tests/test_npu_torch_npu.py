@@ -400,9 +400,17 @@ def test_npu_extra_names_a_supported_torch_npu() -> None:
 
     root = Path(__file__).parent.parent
     project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
-    assert project["optional-dependencies"]["npu"] == ["torch_npu>=2.6.0"]
+    extras = project["optional-dependencies"]
+    assert extras["npu"] == ["torch_npu>=2.6.0,<2.15"]
     torch_pin = [d for d in project["dependencies"] if d.startswith("torch")]
     assert torch_pin == ["torch>=2.6"]  # the extra's floor follows torch's
+    pairs = {k: v for k, v in extras.items() if k.startswith("npu-torch")}
+    assert "npu-torch26" in pairs
+    for name, (torch_req, npu_req) in pairs.items():
+        # each pair names one torch release and the torch_npu built for it
+        release = torch_req.removeprefix("torch==")
+        assert npu_req == f"torch_npu=={release}.*", name
+        assert name == "npu-torch" + "".join(release.split(".")[:2]), name
 
 
 @npu_only

@@ -9,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from swapopt.plan import (
-    EXTRA_CHUNKS, RAMP, RAMP_MIN_CHUNKS, ParamSize, Piece, budget_for, chunk_pieces, make_plan, pick_resident, ramp_budgets,
+    EXTRA_CHUNKS, RAMP, RAMP_MIN_BYTES, RAMP_MIN_CHUNKS, ParamSize, Piece, budget_for, chunk_pieces, make_plan,
+    pick_resident, ramp_budgets, tail_budgets,
 )
 
 ALIGN = 8
@@ -81,6 +82,7 @@ def test_make_plan_times(sizes, times):
     swapped = [s for s in sizes if s.state_bytes > 0]
     if swapped and all(s.splittable for s in swapped):
         ramp = len(ramp_budgets(plan.budget)) if times >= RAMP_MIN_CHUNKS else 0
+        ramp += len(tail_budgets(plan.budget)) if times >= RAMP_MIN_CHUNKS else 0
         assert len(plan.chunks) <= int(times * EXTRA_CHUNKS) + ramp
         if len(plan.chunks) > times + ramp:  # extra chunks only to keep params whole, never larger ones
             assert all(len([p for c in plan.chunks for p in c.pieces if p.index == s.index]) == 1
@@ -108,11 +110,12 @@ def test_llm_shaped_plan_keeps_params_whole():
     numels = [4096 * 4096, 1024 * 4096, 1024 * 4096, 4096 * 4096, 11008 * 4096, 11008 * 4096, 4096 * 11008] * 32
     sizes = [ParamSize(i, n, 8 * n, True) for i, n in enumerate(numels)]
     plan = make_plan(sizes, times=16)
-    ramp = len(ramp_budgets(plan.budget))
-    assert ramp == RAMP and len(plan.chunks) <= 16 + ramp
-    # no param cut, but in the smaller first chunks (Note [ramp])
-    after = [p for c in plan.chunks[ramp + 1 :] for p in c.pieces]
-    assert all(p.start == 0 and p.stop == sizes[p.index].numel for p in after)
+    ramp, tail = len(ramp_budgets(plan.budget)), len(tail_budgets(plan.budget))
+    assert ramp == tail == RAMP and len(plan.chunks) <= 16 + ramp + tail
+    # no param cut, but in the smaller first and last chunks (Note [ramp]) and the two before the last ones,
+    # which even out what the tail leaves
+    middle = [p for c in plan.chunks[ramp + 1 : -(tail + 2)] for p in c.pieces]
+    assert all(p.start == 0 and p.stop == sizes[p.index].numel for p in middle)
     assert all(plan.chunks[k].nbytes <= plan.budget >> (RAMP - k) for k in range(ramp))
     assert plan.max_chunk_bytes <= 1.25 * budget_for(plan.total_bytes, 16)
     # a param larger than a chunk is still cut, so the cap holds
@@ -201,15 +204,16 @@ def test_lumpy_layout_takes_more_chunks_of_the_even_size_rather_than_cut():
     plan = make_plan(sizes, times=64, align=512)
     base = budget_for(sum(s.state_bytes for s in sizes), 64)
     ramp = ramp_budgets(plan.budget)
-    assert 64 < len(plan.chunks) <= 96 + len(ramp)
+    tail = tail_budgets(plan.budget)
+    assert 64 < len(plan.chunks) <= 96 + len(ramp) + len(tail)
     assert plan.max_chunk_bytes <= base * 5 // 4
     # the fewest chunks that keep params whole within a quarter more bytes than an even split (a chunk costs
     # a copy latency each way), at the smallest budget that gives that many
     fewest = len(chunk_pieces(sizes, base + base // 4, 512, keep_whole=True))
     assert len(chunk_pieces(sizes, plan.budget, 512, keep_whole=True)) == fewest
     assert len(chunk_pieces(sizes, plan.budget - 1, 512, keep_whole=True)) > fewest
-    # cut: the params larger than a chunk, and those the smaller first chunks hold
-    in_ramp = {p.index for c in plan.chunks[: len(ramp) + 1] for p in c.pieces}
+    # cut: the params larger than a chunk, and those the smaller first and last chunks hold
+    in_ramp = {p.index for c in plan.chunks[: len(ramp) + 1] + plan.chunks[-(len(tail) + 3) :] for p in c.pieces}
     cut = {s.index for s in sizes if sum(p.index == s.index for c in plan.chunks for p in c.pieces) > 1}
     assert cut - in_ramp == {s.index for s in sizes if s.state_bytes > plan.budget} - in_ramp
 
@@ -222,13 +226,42 @@ def test_ramp_makes_the_first_chunks_smaller():
     assert ramp_budgets(plan.budget) == (plan.budget >> 3, plan.budget >> 2, plan.budget >> 1)
     assert [c.nbytes <= b for c, b in zip(plan.chunks, ramp_budgets(plan.budget))] == [True] * RAMP
     assert plan.chunks[0].nbytes <= (4 << 20) // 8 + 64
-    assert 16 < len(plan.chunks) <= 16 + RAMP  # the ramp's 7/8 of a chunk: one chunk more, or more with cut remainders
+    # the ramp's and the tail's 7/8 of a chunk each: a chunk more each, or more with cut remainders
+    assert 16 < len(plan.chunks) <= 16 + 2 * RAMP
     _check_cover(sizes, plan.chunks)
     # prefetch swaps the first chunks in under the backward: no ramp then, larger first chunks
-    flat = make_plan(sizes, times=16, align=512, ramp=False)
+    flat = make_plan(sizes, times=16, align=512, ramp=False, tail=False)
     assert len(flat.chunks) == 16 and flat.chunks[0].nbytes == flat.budget
+    assert make_plan(sizes, times=16, align=512, ramp=False).chunks[-1].nbytes < flat.budget  # the tail stays
     # small states: no ramp chunk below RAMP_MIN_BYTES; few chunks: no ramp; either way K chunks stay K
     small = [ParamSize(i, 1 << 10, 8 << 10, True) for i in range(16)]
     assert ramp_budgets(make_plan(small, times=8).budget) == ()
     assert len(make_plan(small, times=8).chunks) == 8
     assert [len(make_plan(sizes, times=t, align=512).chunks) for t in (1, 2, 4)] == [1, 2, 4]
+
+
+def test_tail_makes_the_last_chunks_smaller():
+    # Note [ramp]: the last swap-out runs alone on the link, so the last chunks fall to 1/2, 1/4 and 1/8 of the
+    # budget; the bytes above them are spread evenly over the chunks before them, none above the budget.
+    sizes = [ParamSize(i, 1 << 20, 8 << 20, True) for i in range(8)]  # 64 MiB: 16 chunks of 4 MiB
+    for ramp in (True, False):
+        plan = make_plan(sizes, times=16, align=512, ramp=ramp)
+        _check_cover(sizes, plan.chunks)
+        b = plan.budget
+        assert tail_budgets(b) == (b >> 1, b >> 2, b >> 3)
+        last = [c.nbytes for c in plan.chunks[-RAMP - 2 :]]
+        assert last == sorted(last, reverse=True), "sizes only fall towards the end"
+        assert [abs(n - t) <= 512 * 8 for n, t in zip(last[-RAMP:], tail_budgets(b))] == [True] * RAMP
+        assert plan.max_chunk_bytes <= b and plan.total_bytes == 64 << 20
+    # a fixed chunk budget ramps down too, and small states (tail chunks below RAMP_MIN_BYTES) or few chunks none
+    fixed = make_plan(sizes, chunk_bytes=4 << 20, align=512)
+    assert fixed.chunks[-1].nbytes <= (4 << 20) // 8 + 512 * 8 and fixed.max_chunk_bytes <= 4 << 20
+    small = [ParamSize(i, 1 << 10, 8 << 10, True) for i in range(16)]
+    assert tail_budgets(make_plan(small, times=8).budget) == () and len(make_plan(small, times=8).chunks) == 8
+    assert all(t >= RAMP_MIN_BYTES for t in tail_budgets(4 << 20))
+    assert [len(make_plan(sizes, times=t, align=512).chunks) for t in (1, 2, 4)] == [1, 2, 4]
+    # whole params that fit a chunk stay whole before the tail; unsplittable ones stay whole in it as well
+    whole = [ParamSize(i, 1 << 18, 8 << 18, False) for i in range(32)]
+    plan = make_plan(whole, times=16, align=512)
+    _check_cover(whole, plan.chunks)
+    assert all(len([p for c in plan.chunks for p in c.pieces if p.index == s.index]) == 1 for s in whole)

@@ -450,3 +450,89 @@ def test_latency_is_charged_per_copy(sim_no_launch):
     one = sim.now_us() - start
     assert one == pytest.approx(LAT + 4 * pieces * numel / RATE)
     assert many - one == pytest.approx((pieces - 1) * LAT)
+
+
+# ---- pricing: which direction gives way (Note [link sharing]) ----
+
+
+def _ruled(rule: str) -> Timeline:
+    return Timeline(dataclasses.replace(H100, launch_us=0.0, link_sharing=rule))
+
+
+YIELDED_US = COPY_US + (BYTES - (COPY_US - LAT) * (CAP - RATE)) / RATE  # a copy that gave way to a full-rate one
+OVER_CAP = (COPY_US - LAT) * (2 * RATE - CAP)  # bytes two full-rate copies side by side carry over the cap
+
+
+@pytest.mark.parametrize("first", ["h2d", "d2h"])
+@pytest.mark.parametrize("rule", ["first", "d2h", "h2d"])
+def test_each_sharing_rule_picks_the_direction_that_keeps_its_rate(rule, first):
+    """Two copies of the same size, both ready at 0, launched in either order, then one more copy each way."""
+    timeline = _ruled(rule)
+    second = "d2h" if first == "h2d" else "h2d"
+    ops = {lane: timeline.launch(lane, 0.0, lane, BYTES, "copy", None) for lane in (first, second)}
+    keeps = first if rule == "first" else rule
+    gives = "d2h" if keeps == "h2d" else "h2d"
+    # The direction that keeps its rate moves at it, whenever it was launched.
+    assert ops[keeps].end_us == pytest.approx(COPY_US)
+    if gives == second:
+        # Launched after, it gets what the cap leaves while the other runs.
+        assert ops[gives].end_us == pytest.approx(YIELDED_US)
+        owed = 0.0
+    else:
+        # Launched before, it was scheduled at its full rate and cannot be moved: the bytes the link carried
+        # over the cap meanwhile go first in its direction's next copy (Note [link debt]).
+        assert ops[gives].end_us == pytest.approx(COPY_US)
+        owed = OVER_CAP
+    later = timeline.launch(gives, 0.0, gives, BYTES, "copy", None)
+    start = ops[gives].end_us
+    assert later.start_us == pytest.approx(start)
+    assert later.end_us == pytest.approx(start + LAT + (BYTES + owed) / RATE)
+    # Either way the four copies take no less than their bytes through the cap, nor than the rule's floor.
+    span = max(op.end_us for op in (*ops.values(), later))
+    assert span >= 3 * BYTES / CAP
+    assert span >= timeline.preset.link_floor_us(2 * BYTES if gives == "h2d" else BYTES, 2 * BYTES if gives == "d2h" else BYTES)
+
+
+def test_presets_keep_the_first_launched_rule_and_refuse_unknown_ones():
+    # Existing modeled figures stay as they were: the presets keep the rule the timeline always had.
+    assert {p.link_sharing for p in simulator.PRESETS.values()} == {"first"}
+    with pytest.raises(ValueError, match="link_sharing"):
+        dataclasses.replace(H100, link_sharing="fair")
+
+
+@pytest.mark.parametrize("rule", ["d2h", "h2d"])
+def test_a_fixed_rule_carries_no_more_than_the_cap_once_the_debt_is_paid(rule):
+    """A deterministic mix of copies launched out of step, the last one of the direction that gives way: every
+    copy of the favoured direction takes exactly latency + bytes / rate, and everything moved fits the cap over
+    the span and the rule's floor."""
+    timeline = _ruled(rule)
+    gives = "d2h" if rule == "h2d" else "h2d"
+    ops = []
+    for i in range(41):
+        lane = gives if i % 3 or i == 40 else rule
+        nbytes = (1 + (7 * i) % 5) * (1 << 20)
+        ops.append(timeline.launch(lane, 30.0 * i, lane, nbytes, "copy", None))
+    assert timeline._debt == {"h2d": 0.0, "d2h": 0.0}
+    for op in ops:
+        if op.lane == rule:
+            assert op.end_us - op.start_us == pytest.approx(LAT + op.nbytes / RATE)
+    moved = {lane: sum(op.nbytes for op in ops if op.lane == lane) for lane in ("h2d", "d2h")}
+    span = max(op.end_us for op in ops)
+    assert sum(moved.values()) <= CAP * span
+    assert span >= timeline.preset.link_floor_us(moved["h2d"], moved["d2h"])
+    # The copies of the direction that gives way did give way: slower than alone, on average.
+    given = [op for op in ops if op.lane == gives]
+    assert sum(op.end_us - op.start_us for op in given) > sum(LAT + op.nbytes / RATE for op in given) * 1.05
+
+
+def test_link_floor_per_rule():
+    b = float(GB)
+    even = H100.link_floor_us(b, b)
+    assert even == pytest.approx(2 * b / CAP)  # both directions' bytes through the cap
+    assert H100.link_floor_us(b, 0.0) == pytest.approx(b / RATE)  # one direction alone: its own rate
+    for rule in ("d2h", "h2d"):
+        fixed = dataclasses.replace(H100, link_sharing=rule)
+        # the favoured direction's bytes at its rate, the other moving cap - rate meanwhile, then the rest alone
+        assert fixed.link_floor_us(b, b) == pytest.approx(b / RATE + (b - (CAP - RATE) * b / RATE) / RATE)
+        assert fixed.link_floor_us(b, b) > 1.1 * even
+        assert fixed.link_floor_us(b, 0.0) == pytest.approx(b / RATE)

@@ -30,13 +30,26 @@ def test_main_job_short_run_reports_swap_and_resident_peaks(clean_device_env, tm
     assert rc == 0, out
     assert "no accelerator found: running on the simulated h100 device" in out
     assert "step     3  loss" in out and "swap in" in out and "(modeled)" in out
-    assert "losses of the first 2 steps bitwise equal to the resident baseline: True" in out
+    assert "  losses of the first 2 steps bitwise equal to the resident baseline: True" in out
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(r["swap_bytes"] > 0 and r["mem_peak_bytes"] > 0 for r in rows)
     swap_peak = float(out.split("peak device memory, swap_optimizer=True: ")[1].split(" MiB")[0])
-    resident_peak = float(out.split("swap_optimizer=False), peak device memory: ")[1].split(" MiB")[0])
+    resident_peak = float(out.split("(swap_optimizer=False), 2 steps, peak device memory: ")[1].split(" MiB")[0])
     assert swap_peak < resident_peak
+
+
+def test_master_weights_job_trains_bf16_params_and_compares_three_peaks(clean_device_env, capsys):
+    # tiny.py's width: in a narrower model the staging, not the states, decides the peak
+    rc = main([str(ROOT / "configs" / "tiny_masters.py"), "--cfg-options", "train.batch=2", "train.seq_len=16",
+               "lr.warmup_steps=1", "train.steps=3", "train.compare_resident=2"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    masters = float(out.split("master_weights=True (bfloat16 params): ")[1].split(" MiB")[0])
+    resident = float(out.split("(fp32 params, swap_optimizer=False), 2 steps, peak device memory: ")[1].split(" MiB")[0])
+    states = float(out.split("(fp32 params, master_weights=False), 2 steps, peak device memory: ")[1].split(" MiB")[0])
+    assert masters < states < resident
+    assert "bitwise equal" not in out  # other dtypes: no bitwise comparison is claimed
 
 
 @pytest.mark.parametrize("options, key", [

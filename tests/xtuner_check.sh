@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Run the XTuner checks against a checkout of InternLM/xtuner (XTuner v1 is not on the package registry).
 #   tests/xtuner_check.sh /path/to/xtuner            # a checkout; its commit is printed with the results
-# Needs XTuner's config dependencies (pip install cyclopts); the checks run on the simulator, no GPU needed.
+# Needs XTuner's config dependencies (pip install cyclopts), and ray for its models (the MoE and Muon checks
+# skip without it); the checks run on the simulator, no GPU needed.
 # After a pass, record the commit in tests/xtuner_real.py (CHECKED_COMMIT) and docs/xtuner.md.
 set -euo pipefail
 src="$(cd "${1:?usage: tests/xtuner_check.sh /path/to/xtuner-checkout}" && pwd)"
@@ -14,5 +15,6 @@ PY
 # An exported tree (git archive) has no .git: name the commit with SWAPOPT_XTUNER_COMMIT then.
 commit="${SWAPOPT_XTUNER_COMMIT:-$(git -C "$src" rev-parse --verify -q HEAD 2>/dev/null || echo unknown)}"
 python -m pytest -q -p no:cacheprovider -rs \
-  tests/test_xtuner_use_swapopt.py tests/test_xtuner_dist.py tests/test_integration_xtuner.py
+  tests/test_xtuner_use_swapopt.py tests/test_xtuner_dist.py tests/test_integration_xtuner.py \
+  tests/test_xtuner_moe.py tests/test_xtuner_muon.py
 echo "XTuner checks passed on InternLM/xtuner ${commit}"

@@ -4,6 +4,9 @@ Usage: xtuner_dist_rank.py MODE DIR
 - ``dropin``: XTuner's AdamWConfig (XTuner's own when importable, else the stand-in copy) patched by
   use_swapopt(); the stand-in TrainEngine (FSDP2 over both ranks) trains with ``swap_optimizer=True`` and with
   the plain config, saves, resumes each way; every comparison is bitwise, made here, on full tensors.
+- ``moe``: needs XTuner's MoE model (tests/xtuner_moe.py): XTuner's AdamWConfig patched by use_swapopt() trains
+  it with swapopt bitwise like XTuner's plain AdamW, saves, and resumes bitwise against the uninterrupted run; the
+  fused expert weights' local shards are cut across chunks.
 - ``xtuner_swap_ckpt``: needs XTuner: its own SwapAdamW (use_swapopt() not called yet) trains and saves; then
   use_swapopt() and load_dcp must raise SwapoptCheckpointError.
 """
@@ -98,11 +101,43 @@ def xtuner_swap_ckpt(out: Path) -> None:
         raise AssertionError("a 2-rank checkpoint of XTuner's SwapAdamW loaded without error")
 
 
+def moe(out: Path) -> None:
+    import xtuner_moe
+    import xtuner_moe_ops
+
+    optim = xtuner_real.xtuner_module("xtuner.v1.config.optim")
+    assert optim is not None and xtuner_moe.QWEN3 is not None, "moe needs XTuner v1's MoE model importable"
+    cls, engine_cls = optim.AdamWConfig, type("TrainEngine", (xtuner_moe.MoETrainEngine,), {})
+    use_swapopt(cls, engine_cls=engine_cls)
+    swap_cfg = dict(CFG, swap_optimizer=True, swap_optimizer_times=6)
+    with xtuner_moe_ops.install():
+        plain = engine_cls(cls(**CFG))
+        train(plain, 0, 4)
+        expected = snapshot(plain)
+        swap = engine_cls(cls(**swap_cfg))
+        assert isinstance(swap.optimizer, SwapOptimizer)
+        train(swap, 0, 2)
+        swap.save_dcp(out / "moe2")
+        train(swap, 2, 2)
+        assert swap.optimizer.swap_stats().h2d_bytes > 0
+        assert_same(snapshot(swap), expected)
+        held = xtuner_moe.expert_chunks(swap)
+        assert len(held) == 4 and all(held.values()), held
+        assert any(len(ks) > 1 for ks in held.values()) and len(set().union(*held.values())) > 1, held
+        for cfg in (cls(**swap_cfg), cls(**CFG)):  # swapopt's 2-rank MoE checkpoint, into swapopt and plain AdamW
+            resumed = engine_cls(cfg, seed=7)
+            resumed.load_dcp(out / "moe2")
+            train(resumed, 2, 2)
+            assert_same(snapshot(resumed), expected)
+    if dist.get_rank() == 0:
+        (out / "moe.ok").write_text(cls.__module__)
+
+
 def main() -> None:
     device.get_torch_device_module().set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("gloo")
     mode, out = sys.argv[1], Path(sys.argv[2])
-    {"dropin": dropin, "xtuner_swap_ckpt": xtuner_swap_ckpt}[mode](out)
+    {"dropin": dropin, "moe": moe, "xtuner_swap_ckpt": xtuner_swap_ckpt}[mode](out)
     end_rank()
 
 

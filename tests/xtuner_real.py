@@ -3,9 +3,9 @@
 XTuner v1 is not on the package registry. Tests use it when ``xtuner.v1`` is importable, or when
 ``SWAPOPT_XTUNER_SRC`` names a checkout of InternLM/xtuner (put first on ``sys.path``); otherwise they skip.
 ``tests/xtuner_check.sh`` runs them against a checkout. Its config module needs ``cyclopts`` and ``pydantic``;
-its TrainEngine also needs ``ray`` and XTuner's other dependencies.
+its models (tests/xtuner_moe.py) and TrainEngine also need ``ray`` (and ``more_itertools``).
 
-Last passed on (tests/test_xtuner_use_swapopt.py, config route, 1 rank, simulator):
+Last passed on (tests/xtuner_check.sh: config route, checkpoints, MoE model, Muon; 1 and 2 ranks, simulator):
 InternLM/xtuner b934f462095c1e750229de35367c50ae36caa786.
 """
 

@@ -8,9 +8,10 @@ started while it is active, and it
   host-side tensors and name no device) and *device* (everything else created while active, and
   copies of device memory made outside the dispatcher: deepcopy, storage clones, torch.load);
 - runs each op touching device memory on a stream (the thread's current one; in backward, the stream
-  of the forward op), every other op on the thread's host actor, and checks its reads and writes (from
-  the op schema, on the exact elements of strided views) against earlier accesses that no event wait,
-  stream wait, synchronize or thread join orders before it (device/sanitizer.py, `StreamRaceError`);
+  of the forward op, or the stream a hook made current: Note [streams inside a backward pass]), every
+  other op on the thread's host actor, and checks its reads and writes (from the op schema, on the
+  exact elements of strided views) against earlier accesses that no event wait, stream wait,
+  synchronize or thread join orders before it (device/sanitizer.py, `StreamRaceError`);
 - accounts device memory against a capacity (device/memory.py, `torch.OutOfMemoryError`);
 - places each op on a deterministic timeline (device/timeline.py).
 Entry points the dispatcher does not see (host reads through tolist / numpy / DLPack / torch.save,
@@ -54,7 +55,7 @@ from device.sim.ops import OpInfo, arg_value, byte_range, factory_bytes, new_out
 from device.sim.presets import PRESETS, SimPreset, get_preset
 from device.sim.sanitizer import HOST, Access, Clock, Clocks, StreamRaceError, race_error, where
 from device.sim.streams import SimEvent, SimStream, canonical, fresh_object
-from device.sim.tensor import _CPU, _MIX_FREE, SimTensor, _check_same_device, _unwrap, wrap_outputs
+from device.sim.tensor import _CPU, _MIX_FREE, SimTensor, _check_same_device, _sync_metadata, _unwrap, wrap_outputs
 from device.sim.timeline import Timeline, TimelineOp
 
 __all__ = [
@@ -247,7 +248,15 @@ class SimDevice:
         return self._present(self._default)
 
     def _current(self) -> SimStream:
-        """The current stream object itself (the simulator's own bookkeeping compares streams by identity)."""
+        """The current stream object itself (the simulator's own bookkeeping compares streams by identity).
+        Inside a backward pass that is the running node's stream (Note [streams inside a backward pass])."""
+        node = torch._C._current_autograd_node()
+        if node is not None:
+            return self._node_stream(node)
+        return getattr(self._tls, "current", None) or self._default
+
+    def _thread_stream(self) -> SimStream:
+        """The stream the thread set (set_stream, stream()), whatever node a backward pass runs."""
         return getattr(self._tls, "current", None) or self._default
 
     def _present(self, stream: SimStream) -> SimStream:
@@ -255,6 +264,9 @@ class SimDevice:
 
     def set_stream(self, stream: SimStream) -> None:
         self._tls.current = canonical(stream)
+        # Set by a hook inside a backward pass: current for the rest of that node only, as the engine's
+        # stream guard restores the node's stream when the node returns.
+        self._tls.set_in = torch._C._current_autograd_node()
 
     @contextmanager
     def stream(self, stream: SimStream | None) -> Iterator[SimStream | None]:
@@ -262,12 +274,29 @@ class SimDevice:
         if stream is None:
             yield None
             return
-        previous = self._current()
-        self._tls.current = canonical(stream)
+        tls = self._tls
+        previous = getattr(tls, "current", None), getattr(tls, "set_in", None)
+        tls.current = canonical(stream)
+        tls.set_in = torch._C._current_autograd_node()
         try:
             yield stream
         finally:
-            self._tls.current = previous
+            tls.current, tls.set_in = previous
+
+    @contextmanager
+    def _backward_call(self) -> Iterator[None]:
+        """Around backward() / autograd.grad: streams a hook set without restoring them end with the pass, as
+        on hardware, where the pass runs under the engine's stream guards and leaves the caller's stream be."""
+        tls = self._tls
+        saved = getattr(tls, "current", None), getattr(tls, "set_in", None)
+        # The caller's stream, which a hook's stream context inside the pass does not change.
+        callers = tls.__dict__.setdefault("callers", [])
+        callers.append(self._current())  # inside a node (a reentrant checkpoint's backward), the node's
+        try:
+            yield
+        finally:
+            callers.pop()
+            tls.current, tls.set_in = saved
 
     def synchronize(self, device: Any = None) -> None:
         host = self._host()
@@ -507,26 +536,40 @@ class SimDevice:
         self._clocks.merge_actor(self._host(), actor)
 
     def _op_stream(self) -> SimStream:
-        """The stream an op runs on: the current one, or during backward the stream of the op's forward."""
+        """The stream an op runs on: the thread's current one when it is issued (Note [streams inside a
+        backward pass])."""
         node = torch._C._current_autograd_node()
         if node is None:
-            return self._current()
-        stream = node.metadata.get(_STREAM_TAG) or self._default
+            return self._thread_stream()
+        return self._node_stream(node)
+
+    def _node_stream(self, node: Any) -> SimStream:
+        """The current stream while autograd runs `node`: the node's own, or one a hook of it made current. The
+        first time the pass is seen in a node, the node's own stream is ordered as the engine orders it."""
+        own = node.metadata.get(_STREAM_TAG) or self._default
         tls = self._tls
         backward = getattr(tls, "backward", None)
         if backward is None:
-            # The first backward op follows the caller's current stream (where the incoming gradient was
+            # The first backward node follows the caller's current stream (where the incoming gradient was
             # made); when the pass ends, the caller's stream waits for every stream it used.
-            caller = self._current()
-            backward = tls.backward = {"caller": caller, "streams": {caller}, "last": caller}
+            callers = getattr(tls, "callers", None)
+            caller = callers[-1] if callers else self._thread_stream()
+            backward = tls.backward = {"caller": caller, "streams": {caller}, "last": caller, "node": None}
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
-        if stream is not backward["last"]:
-            # The engine orders a node after the nodes that produced its inputs; following the previous
-            # backward op over-approximates that, so it never reports a race the engine prevents.
-            stream.wait_stream(backward["last"])
-            backward["last"] = stream
-        backward["streams"].add(stream)
-        return stream
+        if backward["node"] is not node:
+            # The engine orders a node after the nodes that produced its inputs, before the node and its hooks
+            # run; following the previous node over-approximates that, so it never reports a race the engine
+            # prevents.
+            backward["node"] = node
+            if own is not backward["last"]:
+                own.wait_stream(backward["last"])
+                backward["last"] = own
+            backward["streams"].add(own)
+        if getattr(tls, "set_in", None) is node and tls.current is not own:
+            # A hook's own stream: ordered only by what the hook does (a wait it forgets is a race, as on
+            # hardware), and not among the streams the engine syncs the caller with at the end.
+            return tls.current
+        return own
 
     def _end_backward(self) -> None:
         backward = getattr(self._tls, "backward", None)
@@ -886,8 +929,17 @@ class SimDevice:
             info = self._lookup(args[0].untyped_storage())
             return info is not None and info.kind == HOST_MEM
         if packet is torch.ops.aten._pin_memory or kwargs.get("pin_memory"):
-            if found:
-                raise RuntimeError(f"cannot pin '{found[0].device.type}' memory: only dense CPU tensors can be pinned")
+            # Only host memory can be pinned: pinning a device tensor, or a pinned result on the device, is
+            # refused as CUDA refuses it; a pinned host result shaped like a device tensor
+            # (`empty_like(t, device="cpu", pin_memory=True)`) is fine, as on CUDA.
+            if place >= 0 or (packet is torch.ops.aten._pin_memory and found):
+                kind = found[0].device.type if found else self.backend
+                raise RuntimeError(f"cannot pin '{kind}' memory: only dense CPU tensors can be pinned")
+            if found and op_info(func).copy:
+                # A copy of device data into a new pinned host tensor (`_to_copy(t, device="cpu",
+                # pin_memory=True)`): a device-to-host copy on the stream, its output pinned.
+                kwargs["pin_memory"] = False
+                return self._wrap(self._run(func, args, kwargs, PINNED_OUT), found, hosts, HOST_OUT, packet)
             return self._pinned_alloc(func, args, kwargs)
         if place == HOST_OUT and packet is torch.ops.aten._to_copy and found and kwargs.get("non_blocking"):
             place = PINNED_OUT
@@ -908,7 +960,13 @@ class SimDevice:
             self._host_sync_stream()  # ... and its copies back are synchronous too
         if place < 0 and not found:
             return out
-        return self._wrap(out, found, hosts, place, packet)
+        wrapped = self._wrap(out, found, hosts, place, packet)
+        if found and any(role == "o" for _, _, role in op_info(func).roles):
+            # An out= argument the kernel resized (an empty `out`, as torch allows): its wrapper takes the
+            # sizes its CPU tensor now has, as a device tensor's own sizes would change.
+            for w in found:
+                _sync_metadata(w)
+        return wrapped
 
     def _host_sync_stream(self) -> None:
         """The host waits for the current stream's queued work (a synchronous copy on it)."""
@@ -973,7 +1031,8 @@ class SimDevice:
             creates_device = op.new_outputs and place >= 0
         if self._host_alloc or not (has_device or creates_device):
             return self._host_op(func, op, args, kwargs, accesses)
-        return self._stream_op(func, op, args, kwargs, tensor_args, accesses, has_device, has_input, place)
+        kernel = kernels.device_kernel(func) if has_device else None
+        return self._stream_op(func, op, args, kwargs, tensor_args, accesses, has_device, has_input, place, kernel)
 
     def _host_op(self, func: Any, op: OpInfo, args: tuple, kwargs: dict, accesses: list[_Arg]) -> Any:
         tracked = [a for a in accesses if a.info is not None]
@@ -1002,7 +1061,10 @@ class SimDevice:
         has_device: bool,
         has_input: bool,
         place: int | None = None,
+        kernel: Any = None,
     ) -> Any:
+        """Run a device op on its stream. kernel: what computes it where torch's CPU kernel cannot
+        (device.sim.kernels.device_kernel); None: the op itself."""
         stream = self._op_stream()
         if place is None and has_device and not (op.copy or op.mixed_ok) and any(a.writes for a in accesses):
             check_same_device(op, accesses)
@@ -1036,10 +1098,11 @@ class SimDevice:
                     plan.append((a, stream.actor, epoch))
             self._check_and_log(op.name, plan)
 
-        out = func(*args, **kwargs)
+        out = (kernel or func)(*args, **kwargs)
 
         new = new_outputs(func, out)
         created = []
+        pinned = []
         try:
             for t in new:
                 storage = t.untyped_storage()
@@ -1048,7 +1111,7 @@ class SimDevice:
                 if new_on_device:
                     created.append((t, storage, self._register(storage, DEVICE, stream.actor, index=index)))
                 elif place == PINNED_OUT:  # .to("cpu", non_blocking=True) copies into pinned memory, as torch does
-                    self._register(storage, HOST_MEM)
+                    pinned.append((t, self._register(storage, HOST_MEM)))
         except OutOfMemoryError:  # the op's outputs are dropped, as if the allocation had failed
             for _, storage, _ in created:
                 self._forget(storage)
@@ -1059,6 +1122,9 @@ class SimDevice:
             # memory whose last user on that stream is still queued, so other streams must wait for it first.
             name = f"{op.name} (allocation)" if op.alloc_only else op.name
             for t, _, info in created:
+                self._log_new(t, info, stream, epoch, name)
+            # The stream writes a pinned output until the copy is done: the host may read it only after.
+            for t, info in pinned:
                 self._log_new(t, info, stream, epoch, name)
         if op.alloc_only:
             return out
@@ -1181,7 +1247,7 @@ def preset_from_env() -> str:
 
 @contextmanager
 def activate(
-    preset: str | SimPreset = "h100",
+    preset: str | os.PathLike[str] | SimPreset = "h100",
     capacity_bytes: int | None = None,
     sanitize: bool = True,
     allocator: str = "exact",
@@ -1190,11 +1256,15 @@ def activate(
 ) -> Iterator[SimDevice]:
     """Run the block on a fresh simulated device.
 
+    preset: a SimPreset, a preset name (h100, 910b) or the path of a preset file (device/sim/preset_file.py;
+    `python -m swapopt.verify` writes one calibrated on a device).
     allocator: "exact" counts live storages byte for byte; "caching" models PyTorch's CUDA caching
     allocator (512-byte blocks, reserved segments, empty_cache, OOM judged on reserved memory).
     typed: device tensors are SimTensors on a device type of their own (default: SWAPOPT_SIM_TYPED).
     flavour: "cuda" or "npu" (default: the one this process registered, else the preset's)."""
-    sim = SimDevice(preset, capacity_bytes, sanitize, allocator, typed, flavour)
+    from device.sim.preset_file import resolve_preset  # imported here: preset_file needs only presets
+
+    sim = SimDevice(resolve_preset(preset), capacity_bytes, sanitize, allocator, typed, flavour)
     sim._start()
     try:
         yield sim

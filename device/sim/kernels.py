@@ -1,5 +1,8 @@
-"""Fused optimizer kernels as the npu flavour has them: torch_npu's kernels come from op-plugin, which
-registers fewer of them than CUDA has, and one of those differs from CUDA's.
+"""Device kernels that differ from torch's CPU ones: fused optimizer kernels as the npu flavour has them, and
+kernels a device has for dtypes the CPU build lacks (device_kernel, at the end).
+
+torch_npu's kernels come from op-plugin, which registers fewer fused optimizer kernels than CUDA has, and one of
+those differs from CUDA's.
 
 From Ascend/op-plugin (master 517f2e7d0, op_plugin/config/op_plugin_functions.yaml):
 - ``_fused_adamw_`` with a float lr (yaml :615-616, all torch versions): FusedAdamWKernelNpuOpApi.cpp
@@ -55,3 +58,69 @@ def check_npu_args(func: Any, kwargs: dict) -> None:
 def without_scaling(kwargs: dict) -> dict:
     """The arguments as op-plugin's _fused_adamw_ reads them: grad_scale and found_inf dropped."""
     return {**kwargs, "grad_scale": None, "found_inf": None}
+
+
+# ----- kernels a device has and torch's CPU build lacks -------------------------------------------------
+# A device op runs the CPU kernel on the tensors inside; where CPU has no kernel for a dtype the device
+# supports, the simulator runs one of its own that gives the device's result. Integer histc: CUDA's
+# `_histc_cuda` dispatches AT_DISPATCH_ALL_TYPES (aten/src/ATen/native/cuda/SummaryOps.cu), while CPU's
+# `histogram_cpu` has no integer kernel.
+_HISTC_INTEGRAL = frozenset({torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64})
+
+
+def _narrow(value: int, dtype: torch.dtype) -> int:
+    """`value` converted to the integer type `dtype` as C++ converts it (two's complement wrap-around)."""
+    bits = torch.iinfo(dtype).bits
+    value &= (1 << bits) - 1
+    if torch.iinfo(dtype).min < 0 and value >= 1 << (bits - 1):
+        value -= 1 << bits
+    return value
+
+
+def _histc_integral(x: torch.Tensor, bins: int = 100, min: Any = 0, max: Any = 0) -> torch.Tensor:
+    """torch.histc of an integer tensor as `_histc_cuda_template` computes it: bounds taken as int64
+    (`Scalar::to<int64_t>`, truncating) and then as the input's type; min == max means the data's extremes
+    (widened by one each way when equal); element v in [lo, hi] goes to bin (v - lo) * bins / (hi - lo) in
+    integer arithmetic, the top edge into the last bin; counts in the input's dtype."""
+    if bins <= 0:
+        raise RuntimeError("bins must be > 0")
+    dtype = x.dtype
+    lo_arg, hi_arg = int(min), int(max)  # int() truncates toward zero, as the C++ conversion does
+    lo, hi = _narrow(lo_arg, dtype), _narrow(hi_arg, dtype)
+    if lo_arg == hi_arg and x.numel() > 0:
+        lo, hi = int(x.min()), int(x.max())
+    if lo == hi:
+        lo, hi = _narrow(lo - 1, dtype), _narrow(hi + 1, dtype)
+    if not lo < hi:
+        raise RuntimeError("max must be larger than min")
+    v = x.reshape(-1).to(torch.int64)
+    v = v[(v >= lo) & (v <= hi)]
+    index = torch.div((v - lo) * bins, hi - lo, rounding_mode="floor").clamp_(max=bins - 1)
+    return torch.bincount(index, minlength=bins).to(dtype)
+
+
+def _histc(x: torch.Tensor, bins: int = 100, min: Any = 0, max: Any = 0) -> torch.Tensor:
+    if x.dtype in _HISTC_INTEGRAL:
+        return _histc_integral(x, bins, min, max)
+    return torch.ops.aten.histc.default(x, bins, min, max)
+
+
+def _histc_out(x: torch.Tensor, bins: int = 100, min: Any = 0, max: Any = 0, *, out: torch.Tensor) -> torch.Tensor:
+    if x.dtype not in _HISTC_INTEGRAL:
+        return torch.ops.aten.histc.out(x, bins, min, max, out=out)
+    result = _histc_integral(x, bins, min, max)
+    if out.shape != result.shape:
+        out.resize_(result.shape)
+    return out.copy_(result)
+
+
+_DEVICE_KERNELS = {"histc.default": _histc, "histc.out": _histc_out}
+
+
+def device_kernel(func: Any) -> Any:
+    """What runs aten op `func` on device tensors: the simulator's own kernel where CPU lacks one, else None
+    (torch's CPU kernel)."""
+    packet = func.overloadpacket
+    if packet.__name__ != "histc":
+        return None
+    return _DEVICE_KERNELS.get(f"histc.{func._overloadname}")

@@ -82,6 +82,16 @@ def _tag_outputs(out: Any, stream: SimStream) -> None:
 # Python's SIGINT handler runs (and KeyboardInterrupt is raised) only once backward() returns; here the
 # pass runs Python (the dispatch mode), where the handler would raise mid-pass and end the process. So a
 # SIGINT during a simulated pass is held and handed to the handler that was installed when it returns.
+
+# Note [streams inside a backward pass]
+# An op runs on the stream current on its thread when it is issued. During a backward pass, CUDA's engine
+# makes each node's stream (that of its forward op) current while the node runs, its hooks included: the
+# node's own ops run there, and so does a hook's code, which sees that stream as current_stream(). A hook
+# that enters a stream context (`with torch.cuda.stream(s)`) or calls set_stream makes its stream current
+# for the rest of that node, and ops it issues there run on it, ordered only by the waits the hook makes;
+# the engine's guard gives the node's stream back when the node returns. The simulator keeps the node
+# that set a thread's stream (SimDevice.set_stream / stream) and honours the setting while that node runs;
+# backward() restores the caller's stream when it returns.
 _BACKWARD = (torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad)
 _TENSOR_HOOKS = (torch.Tensor.register_hook, torch.Tensor.register_post_accumulate_grad_hook)
 
@@ -142,7 +152,7 @@ class _StreamTagMode(TorchFunctionMode):
     @counted
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func in _BACKWARD and active() is self.sim:
-            with _sigint_held_until_return():
+            with _sigint_held_until_return(), self.sim._backward_call():
                 try:
                     out = func(*args, **(kwargs or {}))
                 finally:

@@ -6,13 +6,29 @@ Every figure a preset carries names where it comes from in `sources` (a datashee
 
 from __future__ import annotations
 
+import os
+
 from dataclasses import dataclass, field, fields
+from typing import Literal, get_args
 
 GiB = 1024**3
 MiB = 1024**2
 
 # Fields that are not figures of the device and so need no source.
-_NOT_FIGURES = frozenset({"name", "flavour", "sources", "calibrated", "measured"})
+_NOT_FIGURES = frozenset({"name", "flavour", "sources", "calibrated", "measured", "link_sharing"})
+
+# Note [link sharing]: with copies running both ways at once the link carries at most `duplex_gbps`, and
+# which direction gives way is a property of the part (nvbandwidth's bidirectional tests show one direction
+# keeping its one-way rate and the other getting the rest, often H2D giving way):
+# - "first": the copy launched first keeps its full rate; a copy launched while the other direction is
+#   already scheduled gets what the cap leaves. The simulator's rule before calibration.
+# - "d2h" / "h2d": that direction always keeps its full rate, even against copies the other way launched
+#   before it; the other direction gets what the cap leaves beside it.
+# Under "first" a schedule that takes turns at launching first can split the cap evenly, so both directions'
+# bytes can cross in (H2D + D2H) / cap. Under a fixed rule nothing can: while the favoured direction is busy
+# the other gets only cap - its rate, so the floor is higher (link_floor_us).
+LinkSharing = Literal["first", "d2h", "h2d"]
+LINK_SHARING_RULES: tuple[str, ...] = get_args(LinkSharing)
 
 
 @dataclass(frozen=True)
@@ -41,10 +57,34 @@ class SimPreset:
     # nothing here is measured yet.
     calibrated: str | None = None
     measured: dict[str, float] = field(default_factory=dict)
+    # Which direction keeps its rate with both busy (Note [link sharing]). Not a figure: a rule, which
+    # calibration reads off the two issue orders of its both-at-once copies.
+    link_sharing: LinkSharing = "first"
 
     def __post_init__(self) -> None:
         if self.duplex_gbps < max(self.h2d_gbps, self.d2h_gbps):
             raise ValueError(f"{self.name}: duplex_gbps must be at least the faster single direction")
+        if self.link_sharing not in LINK_SHARING_RULES:
+            raise ValueError(
+                f"{self.name}: link_sharing must be one of {', '.join(LINK_SHARING_RULES)}, got {self.link_sharing!r}"
+            )
+
+    def link_floor_us(self, h2d_bytes: float, d2h_bytes: float) -> float:
+        """The least time in which `h2d_bytes` and `d2h_bytes` can cross this link, copy latencies aside
+        (Note [link sharing]): never below either direction alone at its rate; under "first" both
+        directions' bytes through the cap; under a fixed rule the favoured direction's bytes at its rate,
+        while the other gets cap - that rate, and then the rest of the other's bytes alone."""
+        h_rate, d_rate, cap = self.h2d_gbps * 1e3, self.d2h_gbps * 1e3, self.duplex_gbps * 1e3  # bytes per us
+        alone = max(h2d_bytes / h_rate, d2h_bytes / d_rate)
+        if self.link_sharing == "first":
+            return max(alone, (h2d_bytes + d2h_bytes) / cap)
+        if self.link_sharing == "d2h":
+            fav, fav_rate, other, other_rate = d2h_bytes, d_rate, h2d_bytes, h_rate
+        else:
+            fav, fav_rate, other, other_rate = h2d_bytes, h_rate, d2h_bytes, d_rate
+        busy = fav / fav_rate
+        beside = min(other_rate, cap - fav_rate) * busy  # what the other direction moves meanwhile
+        return max(alone, busy + max(other - beside, 0.0) / other_rate)
 
     def peak_tflops(self, precision: str) -> float:
         """Peak rate for a precision key of device.costs ("bf16", "fp16", "tf32", "fp32", "fp64")."""
@@ -141,10 +181,15 @@ PRESETS: dict[str, SimPreset] = {
 }
 
 
-def get_preset(preset: str | SimPreset) -> SimPreset:
-    """Return `preset` itself or the named entry of PRESETS (ValueError listing the names otherwise)."""
+def get_preset(preset: str | os.PathLike[str] | SimPreset) -> SimPreset:
+    """Return `preset` itself, the preset a JSON file holds (a path: device.sim.preset_file), or the named
+    entry of PRESETS (ValueError listing the names otherwise)."""
     if isinstance(preset, SimPreset):
         return preset
+    from device.sim.preset_file import load_preset, looks_like_path  # preset_file imports this module
+
+    if looks_like_path(preset):
+        return load_preset(preset)
     try:
         return PRESETS[preset.lower()]
     except KeyError:

@@ -13,10 +13,16 @@ Costs, as on the hardware:
 - a kernel takes max(bytes touched / HBM bandwidth, FLOPs / peak FLOP rate of its precision); only
   contractions carry FLOPs (device/costs.py), everything else is bound by its bytes;
 - a copy takes a fixed latency, then moves its bytes at the link rate of its direction. Both directions
-  at once share an aggregate cap (`duplex_gbps`, below h2d + d2h on PCIe parts): a copy that overlaps
-  copies already scheduled the other way gets what the cap leaves it, never more than its own
-  direction's rate. Scheduled ops are never moved (their end times are already visible through streams
-  and events), so the copy launched later absorbs the sharing; the link never carries more than the cap.
+  at once share an aggregate cap (`duplex_gbps`, below h2d + d2h on PCIe parts), and the preset's
+  `link_sharing` says which gives way (Note [link sharing] in device/sim/presets.py):
+  - "first": a copy that overlaps copies already scheduled the other way gets what the cap leaves it,
+    never more than its own direction's rate. Scheduled ops are never moved (their end times are already
+    visible through streams and events), so the copy launched later absorbs the sharing; the link never
+    carries more than the cap.
+  - "d2h" / "h2d": a copy of the favoured direction always moves at its full rate; one of the other
+    direction gets what the cap leaves beside favoured copies already scheduled. A favoured copy launched
+    after other-way copies it overlaps cannot slow them (they are scheduled), so what the link carried
+    over the cap there is owed by the other direction (Note [link debt]).
 """
 
 from __future__ import annotations
@@ -62,6 +68,12 @@ class Timeline:
         # Per copy lane, the link rate it uses over time: (start_us, end_us, bytes per us) segments in time
         # order. Kept only as far back as the other lane could still overlap them.
         self._flow: dict[str, list[tuple[float, float, float]]] = {"h2d": [], "d2h": []}
+        # Note [link debt]: under a fixed sharing rule, bytes the link carried over its cap because a favoured
+        # copy was launched after other-way copies it overlapped (already scheduled, so never slowed). The
+        # other direction's next copy moves them first, as if its earlier copies had given way in time: over
+        # any span that ends after that copy the link carries no more than the cap, and a direction that is
+        # busy all along moves what it would under the rule.
+        self._debt: dict[str, float] = {"h2d": 0.0, "d2h": 0.0}
         # Long training loops keep only the most recent ops; clocks are unaffected.
         self._ops: deque[TimelineOp] = deque(maxlen=max_ops)
 
@@ -82,13 +94,17 @@ class Timeline:
 
     def _copy_end_us(self, lane: str, start_us: float, nbytes: int) -> float:
         """When a copy starting at `start_us` ends: latency, then its bytes at its direction's rate, less what
-        copies already scheduled the other way take of the aggregate cap meanwhile. Records its own flow."""
+        copies already scheduled the other way take of the aggregate cap meanwhile (all of it for a copy
+        of the favoured direction under a fixed sharing rule). Records its own flow."""
+        if self.preset.link_sharing == lane:
+            return self._favoured_end_us(lane, start_us, nbytes)
         own = self._rate(lane)
         cap = self.preset.duplex_gbps * 1e3
         opposite = self._flow[_OPPOSITE[lane]]
         flow = self._flow[lane]
         t = start_us + self.preset.copy_latency_us
-        left = float(nbytes)
+        left = float(nbytes) + self._debt[lane]  # Note [link debt]: what this direction owes goes first
+        self._debt[lane] = 0.0
         for seg_start, seg_end, other in opposite:
             if left <= 0:
                 break
@@ -108,14 +124,36 @@ class Timeline:
                     t = self._move(flow, t, until, rate)
         if left > 0:
             t = self._move(flow, t, t + left / own, own)
+        self._prune(lane, t)
+        return t
+
+    def _favoured_end_us(self, lane: str, start_us: float, nbytes: int) -> float:
+        """A copy of the direction that keeps its rate: latency, then its bytes at its full rate. Where
+        other-way copies already scheduled overlap it and the two exceed the cap, the excess becomes the
+        other direction's debt (Note [link debt])."""
+        own = self._rate(lane)
+        cap = self.preset.duplex_gbps * 1e3
+        t = start_us + self.preset.copy_latency_us
+        end = t + nbytes / own
+        other = _OPPOSITE[lane]
+        for seg_start, seg_end, rate in self._flow[other]:
+            overlap = min(end, seg_end) - max(t, seg_start)
+            if overlap > 0 and rate + own > cap:
+                self._debt[other] += overlap * (rate + own - cap)
+        self._move(self._flow[lane], t, end, own)
+        self._prune(lane, end)
+        return end
+
+    def _prune(self, lane: str, t: float) -> None:
+        """Drop flow segments no later copy can overlap, after a copy of `lane` that ends at `t`."""
         # Later copies of this lane start after `t`; later ones the other way no earlier than that lane is free
         # and the host has launched them: segments ending before those can no longer overlap anything.
+        opposite, flow = self._flow[_OPPOSITE[lane]], self._flow[lane]
         while opposite and opposite[0][1] <= t:
             opposite.pop(0)
         horizon = max(self._lane_free[_OPPOSITE[lane]], self.host_us)
         while flow and flow[0][1] <= horizon:
             flow.pop(0)
-        return t
 
     @staticmethod
     def _move(flow: list[tuple[float, float, float]], start: float, end: float, rate: float) -> float:

@@ -5,6 +5,7 @@ Examples::
     swapopt-bench                       # quick run: one size, every strategy (simulator when no GPU/NPU)
     swapopt-bench --full                # the whole sweep: more sizes, chunk/slot sweeps, end to end
     swapopt-bench --sim 910b --sizes 0.1 --e2e none --out /tmp/bench
+    swapopt-bench --sim bench/results/cuda-NVIDIA-H100-80GB-HBM3-2026-11-25-verify-preset.json  # calibrated
     swapopt-bench --sizes none --layouts llama7b,moe,fsdp256,tiny10k   # real model layouts only
 """
 
@@ -66,7 +67,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help=f"the whole sweep ({', '.join(f'{k} {v}' for k, v in FULL.items())}, end to end on "
                     f"an engine config) instead of the quick run ({', '.join(f'{k} {v}' for k, v in QUICK.items())}); "
                     f"full: {FULL_COST}; quick: {QUICK_COST}")
-    ap.add_argument("--sim", metavar="PRESET", help="run on the simulator with this preset (h100, 910b); "
+    ap.add_argument("--sim", metavar="PRESET", help="run on the simulator with this preset (h100, 910b, or the "
+                    "path of a preset file, such as the calibrated one python -m swapopt.verify writes); "
                     f"without a GPU/NPU the simulator's {FALLBACK_PRESET} preset is used anyway")
     ap.add_argument("--sizes", type=_floats, help="model sizes in billions of params (default on the simulator: "
                     f"{QUICK['sim_sizes']}, --full {FULL['sim_sizes']}; on a device the largest up to 1B that fits, "
@@ -80,6 +82,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=None, help="warm-up steps (default 2; 1 simulated)")
     ap.add_argument("--repeats", type=int, default=None,
                     help="timed steps, median reported (default 5; 1 simulated: modeled time is deterministic)")
+    ap.add_argument("--master-weights", action="store_true",
+                    help="bf16 params stepped through fp32 masters swapped with the states (resident, swapopt, serial, "
+                         "one-in-flight); the bound counts 12 bytes a param each way")
     ap.add_argument("--sanitize", action="store_true",
                     help="keep the simulator's stream sanitizer on (the tests do; off here it runs about 2x faster)")
     ap.add_argument("--layouts", type=_names, default=[],
@@ -128,6 +133,7 @@ def _run(args: argparse.Namespace) -> tuple[Report, list[Path]]:
         strategies=[s for s in args.strategies.split(",") if s],
         warmup=args.warmup if args.warmup is not None else (1 if simulated else 2),
         repeats=args.repeats if args.repeats is not None else (1 if simulated else 5),
+        master_weights=args.master_weights,
     )
     default_e2e = ("tiny" if simulated else "llm_1b") if args.full else "none"
     e2e_configs = _names(args.e2e or default_e2e)
@@ -244,9 +250,13 @@ def main(argv: list[str] | None = None) -> int:
         kind = "sim" if args.sim or args.render else device.get_device()
         if args.sim:
             from device import sim
+            from device.sim.preset_file import load_preset, looks_like_path
 
-            if args.sim.lower() not in sim.PRESETS:
-                raise ValueError(f"unknown simulator preset {args.sim!r}; choose one of: {', '.join(sim.PRESETS)}")
+            if looks_like_path(args.sim):
+                args.sim = load_preset(args.sim)  # a missing or malformed file fails here, before anything runs
+            elif args.sim.lower() not in sim.PRESETS:
+                raise ValueError(f"unknown simulator preset {args.sim!r}; choose one of: {', '.join(sim.PRESETS)}, "
+                                 "or the path of a preset file")
         for name in args.layouts:
             get_layout(name)  # an unknown name fails here, before anything runs
     except (ValueError, RuntimeError) as err:

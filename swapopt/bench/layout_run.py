@@ -19,10 +19,11 @@ from loguru import logger
 from pydantic import BaseModel
 
 import device
+from device.sim.presets import SimPreset
 from swapopt.bench.counts import count_call, host_cpu_seconds, pinned_host_bytes
 from swapopt.bench.layouts import Layout, get_layout, make_layout_params, scale_to_fit
 from swapopt.bench.measure import Bandwidth, bound_ms, free_device_memory, measure_bandwidth, time_steps
-from swapopt.bench.run import MAX_PROBE_BYTES, measure_strategy, swap_budget
+from swapopt.bench.run import MAX_PROBE_BYTES, measure_strategy
 from swapopt.bench.strategies import AdamWSpec, Impl
 
 DEFAULT_TIMES = (16, 64)
@@ -44,6 +45,7 @@ class LayoutRow(BaseModel):
     chunks: int | None = None
     step_ms: float | None = None
     ratio: float | None = None  # step_ms / bound_ms
+    floor_ratio: float | None = None  # step_ms / the layout's floor_ms
     aten_ops: int | None = None
     launches: int | None = None
     launch_target: int | None = None  # (resident launches + 3) x chunks + 8, swapopt rows only
@@ -77,6 +79,10 @@ class LayoutResult(BaseModel):
     resident_ms: float | None
     bound_ms: float
     rows: list[LayoutRow]
+    # The link floor of the step's bytes (link_floor_ms) and the sharing rule it assumes; None in results
+    # written before they were reported.
+    floor_ms: float | None = None
+    link_sharing: str | None = None
 
 
 def default_max_numel() -> int:
@@ -142,7 +148,9 @@ def _measure(
         if kind == "swapopt":
             row.times, row.slots = times, slots
             row.chunks = strategy.opt.swap_stats().chunks
-            row.chunk_bytes, row.cap_bytes = swap_budget(state_bytes, row.chunks, slots)
+            # the plan's largest chunk, not state bytes / chunks: the ramp's smaller chunks add to the count
+            row.chunk_bytes = strategy.opt.operate.slot_bytes
+            row.cap_bytes = (slots + 1) * row.chunk_bytes
 
     measure_strategy(kind, params, spec, times, slots, row, measure)
     return row
@@ -179,10 +187,25 @@ def run_layout(
     resident = rows[0] if rows[0].step_ms is not None else None
     resident_ms = resident.step_ms if resident else None
     bound = bound_ms(state_bytes, state_bytes, bandwidth, resident_ms or 0.0)
+    floor, rule = link_floor_ms(state_bytes, state_bytes, bandwidth)
     return derive(LayoutResult(
         layout=shape.name, source=shape.source, scale=shape.scale, tensors=shape.count, numel=shape.numel,
         state_bytes=state_bytes, bandwidth=bandwidth, resident_ms=resident_ms, bound_ms=bound, rows=rows,
+        floor_ms=floor, link_sharing=rule,
     ))
+
+
+def link_floor_ms(h2d_bytes: int, d2h_bytes: int, bw: Bandwidth) -> tuple[float, str | None]:
+    """The least time these bytes can cross the link (Note [link sharing] in device/sim/presets.py) and the
+    sharing rule it assumes: on the simulator its preset's, under the preset's rule; on a device, from the
+    measured rates (both directions' bytes through the most they moved together, no less than either alone
+    at its own rate), which assumes a link that lets the two split that evenly (rule None)."""
+    preset = getattr(device.get_torch_device_module(), "preset", None)
+    if isinstance(preset, SimPreset):
+        return preset.link_floor_us(h2d_bytes, d2h_bytes) / 1e3, preset.link_sharing
+    both = (bw.h2d_both + bw.d2h_both) * 1e6  # bytes per ms
+    alone = max(h2d_bytes / (bw.h2d_alone * 1e6), d2h_bytes / (bw.d2h_alone * 1e6))
+    return max(alone, (h2d_bytes + d2h_bytes) / both), None
 
 
 def derive(res: LayoutResult) -> LayoutResult:
@@ -192,6 +215,7 @@ def derive(res: LayoutResult) -> LayoutResult:
     for r in res.rows:
         if r.step_ms is not None:
             r.ratio = r.step_ms / res.bound_ms
+            r.floor_ratio = r.step_ms / res.floor_ms if res.floor_ms else None
         if r.kind != "swapopt" or resident is None:
             continue
         if resident.launches is not None and r.chunks is not None:
@@ -206,6 +230,7 @@ def derive(res: LayoutResult) -> LayoutResult:
 # Step / bound targets per chunk count: the launch-bound tiny layout gets a looser one.
 RATIO_TARGETS = {16: 1.10, 64: 1.03}
 TINY_RATIO_TARGET = 2.0
+FLOOR_TARGET = 1.05  # step / link floor, for every layout but the launch-bound tiny one
 HOST_US_PER_PARAM_TARGET = 5.0
 
 
@@ -219,6 +244,8 @@ def layout_targets(res: LayoutResult) -> list[str]:
         checks = []
         if ratio_target is not None and r.ratio is not None:
             checks.append(("step / bound", f"{r.ratio:.2f} <= {ratio_target}", r.ratio <= ratio_target))
+        if res.layout != "tiny10k" and r.floor_ratio is not None:
+            checks.append(("step / floor", f"{r.floor_ratio:.3f} <= {FLOOR_TARGET}", r.floor_ratio <= FLOOR_TARGET))
         if r.launch_target is not None:
             checks.append(("launches", f"{r.launches:,} <= {r.launch_target:,}", r.launches <= r.launch_target))
         if r.extra_host_us_per_param is not None:
@@ -266,19 +293,23 @@ def layouts_markdown(results: Sequence[LayoutResult]) -> str:
         out.append(
             f"Shapes: {res.source}. Bound {res.bound_ms:.3f} ms (H2D {res.bandwidth.h2d:.1f} GB/s, "
             f"D2H {res.bandwidth.d2h:.1f} GB/s, resident step {_num(res.resident_ms, '{:.3f}')} ms)."
+            + ("" if res.floor_ms is None else
+               f" Link floor {res.floor_ms:.3f} ms ({res.link_sharing or 'measured rates'}: both directions' "
+               "bytes through the link as its sharing rule allows).")
         )
         out.append("")
         out.append(
-            "| strategy | chunks | step ms | step / bound | launches | target | H2D copies | D2H copies | "
+            "| strategy | chunks | step ms | step / bound | step / floor | launches | target | H2D copies | D2H copies | "
             "aten ops | host CPU ms | own host ms | Python ms | Python / resident | extra host us/param | "
             "peak extra MiB | cap MiB | pinned MiB | state MiB |"
         )
-        out.append("|" + "---|" * 18)
+        out.append("|" + "---|" * 19)
         for r in res.rows:
             state = _mib(res.state_bytes) if r.kind == "swapopt" else "-"
             out.append(
                 f"| {r.label}{' (' + r.note + ')' if r.note else ''} | {_num(r.chunks)} | "
-                f"{_num(r.step_ms, '{:.3f}')} | {_num(r.ratio, '{:.2f}')} | {_num(r.launches)} | "
+                f"{_num(r.step_ms, '{:.3f}')} | {_num(r.ratio, '{:.2f}')} | {_num(r.floor_ratio, '{:.3f}')} | "
+                f"{_num(r.launches)} | "
                 f"{_num(r.launch_target)} | {_num(r.h2d_copies)} | {_num(r.d2h_copies)} | {_num(r.aten_ops)} | "
                 f"{_num(r.cpu_ms, '{:.1f}')} | {_num(r.host_ms, '{:.1f}')} | {_num(r.python_ms, '{:.1f}')} | "
                 f"{_num(r.host_ratio, '{:.1f}')} | "

@@ -82,7 +82,8 @@ def _mb(v: int | None) -> str:
 def size_table(size: SizeResult) -> str:
     bw = size.bandwidth
     lines = [
-        f"### {size.size_b:g}B params ({size.numel / 1e9:.3f}B; states {size.state_bytes / 1e9:.2f} GB each way)",
+        f"### {size.size_b:g}B params ({size.numel / 1e9:.3f}B; states {size.state_bytes / 1e9:.2f} GB each way"
+        + (", bf16 params with fp32 masters swapped: 12 B a param" if size.master_weights else "") + ")",
         "",
         f"Pinned copies at {bw.chunk_bytes / MB:.1f} MB: H2D {bw.h2d_alone:.1f} GB/s alone, {bw.h2d_both:.1f} both ways;"
         f" D2H {bw.d2h_alone:.1f} alone, {bw.d2h_both:.1f} both ways. Bound {size.bound_ms:.2f} ms"

@@ -12,7 +12,14 @@ from pydantic import BaseModel, Field
 import device
 from swapopt.bench.measure import Bandwidth, bound_ms, free_device_memory, measure_bandwidth, time_steps
 from swapopt.bench.model import ModelShape, make_params, shape_for
-from swapopt.bench.strategies import STRATEGY_DOCS, AdamWSpec, Impl, make_strategy, torchao_offload_class
+from swapopt.bench.strategies import (
+    MASTER_WEIGHT_STRATEGIES,
+    STRATEGY_DOCS,
+    AdamWSpec,
+    Impl,
+    make_strategy,
+    torchao_offload_class,
+)
 
 # The bandwidth probe copies at most this much per direction, so it fits beside the largest models.
 MAX_PROBE_BYTES = 1 << 30
@@ -28,6 +35,10 @@ class BenchConfig(BaseModel):
     warmup: int = 1
     repeats: int = 3
     bandwidth_repeats: int = 8
+    # bf16 params stepped through fp32 masters swapped with the states (Note [master weights]), for the
+    # strategies that have that form (strategies.MASTER_WEIGHT_STRATEGIES); the bound counts 12 bytes a param
+    # each way instead of 8.
+    master_weights: bool = False
 
 
 class Row(BaseModel):
@@ -56,6 +67,7 @@ class SizeResult(BaseModel):
     resident_ms: float | None
     bound_ms: float
     bound_note: str = ""
+    master_weights: bool = False  # bf16 params with fp32 masters swapped with the states
     rows: list[Row]
 
 
@@ -63,6 +75,8 @@ def _plan(cfg: BenchConfig) -> list[tuple[str, int, int]]:
     """(kind, times, slots) of every measurement, resident first: it gives the bound."""
     plan: list[tuple[str, int, int]] = []
     wanted = set(cfg.strategies)
+    if cfg.master_weights:
+        wanted &= set(MASTER_WEIGHT_STRATEGIES)
     if "resident" in wanted:
         plan += [("resident", 0, 0)]
     if "swapopt" in wanted:
@@ -81,10 +95,10 @@ def plan_length(cfg: BenchConfig) -> int:
     return len(_plan(cfg))
 
 
-def swap_budget(state_bytes: int, chunks: int, slots: int) -> tuple[int, int]:
-    """(chunk bytes, cap bytes) of a swapopt step: the state bytes over the chunk count the engine
-    planned, and (slots + 1) such chunks."""
-    chunk_bytes = -(-state_bytes // max(chunks, 1))
+def swap_budget(opt: Any, slots: int) -> tuple[int, int]:
+    """(chunk bytes, cap bytes) of a swapopt step: the largest chunk the engine planned (states, and with
+    master_weights the masters and the grads upcast beside them), and (slots + 1) such chunks."""
+    chunk_bytes = opt._layout.prepared.plan.max_chunk_bytes
     return chunk_bytes, (slots + 1) * chunk_bytes
 
 
@@ -117,15 +131,16 @@ def run_size(
 ) -> SizeResult:
     """Measure every planned strategy at one model size. `timeline_hook(strategy)` is called once
     with the swapopt strategy closest to 16 chunks / 3 slots, to capture one step's timeline."""
-    spec = AdamWSpec(impl=cfg.impl)
+    spec = AdamWSpec(impl=cfg.impl, master_weights=cfg.master_weights)
     shape = shape_for(size_b)
-    state_bytes = 2 * 4 * shape.numel  # exp_avg + exp_avg_sq, fp32
+    # exp_avg + exp_avg_sq, fp32, and the fp32 master with master_weights
+    state_bytes = (3 if cfg.master_weights else 2) * 4 * shape.numel
     bandwidth = measure_bandwidth(min(state_bytes // 16, MAX_PROBE_BYTES), repeats=cfg.bandwidth_repeats)
     logger.info(
         "size {}B ({} params): H2D {:.1f}/{:.1f} GB/s, D2H {:.1f}/{:.1f} GB/s (alone/both)",
         size_b, shape.numel, bandwidth.h2d_alone, bandwidth.h2d_both, bandwidth.d2h_alone, bandwidth.d2h_both,
     )
-    params = make_params(shape)
+    params = make_params(shape, dtype=torch.bfloat16 if cfg.master_weights else torch.float32)
     plan = _plan(cfg)
     timeline_target = min(
         (p for p in plan if p[0] == "swapopt"), key=lambda p: (abs(p[1] - 16), abs(p[2] - 3)), default=None
@@ -140,7 +155,7 @@ def run_size(
             row.host_bytes = strategy.host_bytes()
             if kind == "swapopt":
                 row.times, row.slots = times, slots
-                row.chunk_bytes, row.cap_bytes = swap_budget(state_bytes, strategy.opt.swap_stats().chunks, slots)
+                row.chunk_bytes, row.cap_bytes = swap_budget(strategy.opt, slots)
                 if timeline_hook is not None and (kind, times, slots) == timeline_target:
                     timeline_hook(strategy)
             elif kind == "one-in-flight":
@@ -161,7 +176,7 @@ def run_size(
     free_device_memory()
     return SizeResult(
         size_b=size_b, shape=shape, numel=shape.numel, state_bytes=state_bytes, bandwidth=bandwidth,
-        resident_ms=resident_ms, bound_ms=bound, bound_note=note, rows=rows,
+        resident_ms=resident_ms, bound_ms=bound, bound_note=note, master_weights=cfg.master_weights, rows=rows,
     )
 
 

@@ -36,6 +36,17 @@ class AdamWSpec(BaseModel):
     eps: float = 1e-8
     weight_decay: float = 0.01
     impl: Impl = "fused"
+    # Note [master weights] (swapopt.masters): bf16 params stepped through fp32 masters that move with the
+    # states (12 bytes a param each way instead of 8).
+    master_weights: bool = False
+
+    def state_dtype(self, param: torch.Tensor) -> torch.dtype:
+        """The dtype AdamW steps ``param`` in: its master's with master_weights, else its own."""
+        return torch.float32 if self.master_weights else param.dtype
+
+    def keys(self) -> tuple[str, ...]:
+        """The tensors a swapping strategy moves per param."""
+        return (*STATE_KEYS, "master") if self.master_weights else STATE_KEYS
 
     def make(self, params: Sequence[torch.Tensor]) -> torch.optim.AdamW:
         flag = {"fused": True} if self.impl == "fused" else {"foreach": True}
@@ -77,6 +88,20 @@ class AdamWSpec(BaseModel):
             maximize=False,
         )
 
+    def update_params(self, params: list[torch.Tensor], views: list[dict[str, torch.Tensor]], steps: list[torch.Tensor]) -> None:
+        """One AdamW update of ``params`` whose states are ``views`` (device tensors by key): of the params
+        themselves, or with master_weights of their fp32 masters (``views[i]["master"]``), grads upcast,
+        the params then written from the masters."""
+        if not self.master_weights:
+            grads = [p.grad for p in params]
+            self.update(params, grads, [v["exp_avg"] for v in views], [v["exp_avg_sq"] for v in views], steps)
+            return
+        masters = [v["master"] for v in views]
+        grads = [p.grad.float() for p in params]
+        self.update(masters, grads, [v["exp_avg"] for v in views], [v["exp_avg_sq"] for v in views], steps)
+        for p, m in zip(params, masters):
+            p.copy_(m)
+
 
 class Strategy(Protocol):
     label: str
@@ -93,9 +118,9 @@ def _mod():
     return device.get_torch_device_module()
 
 
-def _host_zeros_like(t: torch.Tensor) -> torch.Tensor:
+def _host_zeros_like(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     # Allocated once per strategy and reused every step (the design's "host memory = state bytes").
-    h = device.pinned_empty(tuple(t.shape), dtype=t.dtype)
+    h = device.pinned_empty(tuple(t.shape), dtype=dtype or t.dtype)
     h.zero_()
     return h
 
@@ -110,7 +135,11 @@ class _HostStateStrategy:
 
     def __init__(self, params: Sequence[torch.Tensor], spec: AdamWSpec, step_on_host: bool = False):
         self.params, self.spec = list(params), spec
-        self.host = {p: {k: _host_zeros_like(p) for k in STATE_KEYS} for p in self.params}
+        self.keys = spec.keys()
+        self.host = {p: {k: _host_zeros_like(p, spec.state_dtype(p)) for k in self.keys} for p in self.params}
+        for p in self.params:
+            if "master" in self.keys:
+                self.host[p]["master"].copy_(p.detach())  # master = p.float()
         # The host step keeps its counters on the host too (fused wants them beside the tensors it updates).
         self.steps = {
             p: torch.tensor(0.0, dtype=torch.float32, device="cpu") if step_on_host else spec.new_step(p)
@@ -121,7 +150,7 @@ class _HostStateStrategy:
         pass
 
     def state_of(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {**self.host[p], "step": self.steps[p]}
+        return {**{k: self.host[p][k] for k in STATE_KEYS}, "step": self.steps[p]}
 
     def host_bytes(self) -> int:
         return _nbytes(t for s in self.host.values() for t in s.values())
@@ -137,16 +166,26 @@ class Resident:
 
     def __init__(self, params: Sequence[torch.Tensor], spec: AdamWSpec):
         self.label = f"resident-{spec.impl}"
-        self.opt = spec.make(params)
+        self.params = list(params)
+        # With master_weights, the recipe run resident: fp32 masters on the device beside the bf16 params.
+        self.masters = [p.detach().float() for p in self.params] if spec.master_weights else self.params
+        self.opt = spec.make(self.masters)
 
+    @torch.no_grad()
     def step(self) -> None:
+        if self.masters is not self.params:
+            for p, m in zip(self.params, self.masters):
+                m.grad = None if p.grad is None else p.grad.float()
         self.opt.step()
+        if self.masters is not self.params:
+            for p, m in zip(self.params, self.masters):
+                p.copy_(m)
 
     def drain(self) -> None:
         pass
 
     def state_of(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
-        return self.opt.state[p]
+        return self.opt.state[next(m for q, m in zip(self.params, self.masters) if q is p)]
 
     def host_bytes(self) -> int:
         return 0
@@ -165,7 +204,9 @@ class SwapOpt:
 
         self.label = f"swapopt t={times} s={slots}"
         self.times, self.slots = times, slots
-        self.opt = SwapOptimizer(spec.make(params), swap_optimizer_times=times, slots=slots)
+        self.opt = SwapOptimizer(
+            spec.make(params), swap_optimizer_times=times, slots=slots, master_weights=spec.master_weights
+        )
 
     def step(self) -> None:
         self.opt.step()
@@ -177,12 +218,7 @@ class SwapOpt:
         return self.opt.state[p]
 
     def host_bytes(self) -> int:
-        return _nbytes(
-            v
-            for s in self.opt.state.values()
-            for v in s.values()
-            if isinstance(v, torch.Tensor) and v.dim() > 0 and device.is_host_tensor(v)
-        )
+        return self.opt.swap_stats(wait=False).pinned_requested_bytes  # states and masters, in their arenas
 
     def close(self) -> None:
         self.opt.wait_for_swap_out()
@@ -204,11 +240,11 @@ class SerialSwap(_HostStateStrategy):
                 continue
             host = self.host[p]
             # Fresh device buffers per param, freed in stream order on this same stream.
-            dev = {k: torch.empty_like(p) for k in STATE_KEYS}
-            for k in STATE_KEYS:
+            dev = {k: torch.empty_like(p, dtype=self.spec.state_dtype(p)) for k in self.keys}
+            for k in self.keys:
                 dev[k].copy_(host[k], non_blocking=True)
-            self.spec.update([p], [p.grad], [dev["exp_avg"]], [dev["exp_avg_sq"]], [self.steps[p]])
-            for k in STATE_KEYS:
+            self.spec.update_params([p], [dev], [self.steps[p]])
+            for k in self.keys:
                 host[k].copy_(dev[k], non_blocking=True)
             del dev  # one param's states on the device at a time
         _mod().synchronize()
@@ -256,7 +292,8 @@ class OneInFlightSwap(_HostStateStrategy):
         staging_numel = max(sum(p.numel() for p in c) for c in chunks)
         # Staging belongs to the compute stream: once it waits for the last swap-out below, dropping
         # the buffers is stream-ordered and needs no record_stream.
-        staging = {k: torch.empty(staging_numel, dtype=live[0].dtype, device=live[0].device) for k in STATE_KEYS}
+        dtype = self.spec.state_dtype(live[0])
+        staging = {k: torch.empty(staging_numel, dtype=dtype, device=live[0].device) for k in self.keys}
         # Swap-in starts once the compute stream has reached step() (grads final, staging free).
         self.h2d.wait_stream(compute)
         previous_out = None
@@ -267,19 +304,19 @@ class OneInFlightSwap(_HostStateStrategy):
                     self.h2d.wait_event(previous_out)
                 offset = 0
                 for p in chunk:
-                    views[p] = {k: staging[k][offset : offset + p.numel()].view_as(p) for k in STATE_KEYS}
+                    views[p] = {k: staging[k][offset : offset + p.numel()].view(p.shape) for k in self.keys}
                     offset += p.numel()
-                    for k in STATE_KEYS:
+                    for k in self.keys:
                         views[p][k].copy_(self.host[p][k], non_blocking=True)
                     arrived[p] = self.h2d.record_event()
             for p in chunk:
                 compute.wait_event(arrived[p])
                 v = views[p]
-                self.spec.update([p], [p.grad], [v["exp_avg"]], [v["exp_avg_sq"]], [self.steps[p]])
+                self.spec.update_params([p], [v], [self.steps[p]])
                 updated = compute.record_event()
                 with mod.stream(self.d2h):
                     self.d2h.wait_event(updated)
-                    for k in STATE_KEYS:
+                    for k in self.keys:
                         self.host[p][k].copy_(v[k], non_blocking=True)
             previous_out = self.d2h.record_event()
         compute.wait_stream(self.d2h)
@@ -289,7 +326,8 @@ class OneInFlightSwap(_HostStateStrategy):
 
     def chunk_bytes(self) -> int:
         """State bytes of the largest chunk: the staging this schedule holds on the device."""
-        return max(2 * sum(p.numel() * p.element_size() for p in c) for c in mindspeed_chunks(self.params, self.times))
+        per_elem = len(self.keys) * 4 if self.spec.master_weights else 2 * self.params[0].element_size()
+        return max(per_elem * sum(p.numel() for p in c) for c in mindspeed_chunks(self.params, self.times))
 
 
 class WholeSwap(_HostStateStrategy):
@@ -428,10 +466,17 @@ STRATEGY_DOCS: dict[str, str] = {
 }
 
 
+# The strategies with a master-weights form (AdamWSpec.master_weights): the others step on the host or move
+# all states at once, where fp32 masters change nothing of what they show.
+MASTER_WEIGHT_STRATEGIES = ("resident", "swapopt", "serial", "one-in-flight")
+
+
 def make_strategy(
     kind: str, params: Sequence[torch.Tensor], spec: AdamWSpec, times: int = 16, slots: int = 3
 ) -> Strategy:
     """Build strategy `kind` (a key of STRATEGY_DOCS) over `params`."""
+    if spec.master_weights and kind not in MASTER_WEIGHT_STRATEGIES:
+        raise ValueError(f"{kind} has no master-weights form; those that do: {', '.join(MASTER_WEIGHT_STRATEGIES)}")
     if kind == "resident":
         return Resident(params, spec)
     if kind == "swapopt":

@@ -44,6 +44,9 @@ class ModelConfig(_Strict):
     norm_eps: float = Field(default=1e-5, gt=0)
     tie_embeddings: bool = False
     hf_path: Optional[str] = None  # local directory of a Hugging Face causal LM (needs `transformers`)
+    # The params' dtype. "bfloat16" with optim.master_weights=true: bf16 params on the device, their fp32 masters
+    # and the optimizer's states in pinned host memory (Note [master weights] in swapopt.masters).
+    dtype: Literal["float32", "bfloat16"] = "float32"
 
     @model_validator(mode="after")
     def _heads_divide_dim(self) -> "ModelConfig":

@@ -39,7 +39,7 @@ class ByteBatches:
         host memory, so that one asynchronous copy moves it and reading it never waits for the device."""
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
         starts = torch.randint(0, self.tokens.numel() - self.seq_len - 1,
-                               (self.world_size * self.batch,), generator=gen, pin_memory=pin_memory)
+                               (self.world_size * self.batch,), generator=gen, device="cpu", pin_memory=pin_memory)
         mine = starts[self.rank * self.batch:(self.rank + 1) * self.batch]
         windows = torch.stack([self.tokens[s:s + self.seq_len + 1] for s in mine.tolist()]).long()
         return windows.pin_memory() if pin_memory else windows

@@ -159,7 +159,8 @@ class TrainEngine:
         self.torch_device = device.torch_device()
         self.device_module = device.get_torch_device_module()
 
-        model = build_model(cfg.model, tcfg.seed, tcfg.gradient_checkpointing).to(self.torch_device)
+        dtype = getattr(torch, cfg.model.dtype)
+        model = build_model(cfg.model, tcfg.seed, tcfg.gradient_checkpointing).to(self.torch_device, dtype=dtype)
         if self.world_size > 1:
             shard_model(model, self.torch_device)
         self.model = model.train()

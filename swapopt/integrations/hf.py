@@ -13,9 +13,9 @@ from __future__ import annotations
 from typing import Any
 
 from swapopt.classes import swap_class
-from swapopt.config import SwapConfig
+from swapopt.config import KNOBS
 
-_KNOBS = tuple(name for name in SwapConfig.model_fields if name != "swap_optimizer")  # swap_class's keywords
+_KNOBS = KNOBS  # swap_class's keywords
 
 
 def swap_optimizer_cls_and_kwargs(args: Any, model: Any = None, **knobs: Any) -> tuple[type, dict[str, Any]]:

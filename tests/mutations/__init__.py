@@ -4,14 +4,23 @@ nothing; `python -m tests.mutations` applies each patch in turn, runs only that 
 process, through pytest.main) and fails unless every named test fails. `tests/mutations/test_mutations.py`
 runs it in the suite.
 
-A patch is a function of a pytest.MonkeyPatch, applied before collection and undone after the run.
+A patch is a function of a pytest.MonkeyPatch, applied before collection and undone after the run. A patch
+that must also reach the Python processes the tests start (a CLI run, a typed-simulator program) passes its
+change to ``in_subprocesses`` as well.
 """
 
 from __future__ import annotations
 
+import atexit
 import importlib
+import inspect
+import os
+import shutil
+import tempfile
+import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -35,6 +44,45 @@ def mutation(name: str, promise: str, *tests: str) -> Callable[[Callable], Calla
         return patch
 
     return register
+
+
+# A sitecustomize.py on PYTHONPATH runs in every Python process started from here: it applies the change
+# right after the module it changes is first imported there.
+_SITE = """\
+import importlib.machinery
+import sys
+
+{source}
+
+class _AfterImport:
+    def find_spec(self, name, path=None, target=None):
+        if name != {module!r}:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is not None and spec.loader is not None:
+            run = spec.loader.exec_module
+
+            def exec_module(module):
+                run(module)
+                {change}(module)
+
+            spec.loader.exec_module = exec_module
+        return spec
+
+
+sys.meta_path.insert(0, _AfterImport())
+"""
+
+
+def in_subprocesses(mp: pytest.MonkeyPatch, module: str, change: Callable[[object], None]) -> None:
+    """Apply ``change`` (a self-contained top-level function of the module object) to ``module`` in every Python
+    process the tests start while the mutation holds: a sitecustomize in a folder put first on PYTHONPATH."""
+    folder = tempfile.mkdtemp(prefix="swapopt-mutation-")
+    atexit.register(shutil.rmtree, folder, True)
+    source = textwrap.dedent(inspect.getsource(change))
+    Path(folder, "sitecustomize.py").write_text(_SITE.format(source=source, module=module, change=change.__name__))
+    mp.setenv("PYTHONPATH", os.pathsep.join(filter(None, [folder, os.environ.get("PYTHONPATH")])))
 
 
 CORPUS = "tests/test_sim_corpus.py::test_program_is_judged_like_cuda"
@@ -152,3 +200,180 @@ def _updated_states_not_swapped_out(mp: pytest.MonkeyPatch) -> None:
 def _every_chunk_staged_at_once(mp: pytest.MonkeyPatch) -> None:
     operate = importlib.import_module("swapopt.operate")
     mp.setattr(operate.SwapOptimizerOperate, "slots_for", lambda self, n_chunks: max(n_chunks, 1))
+
+
+@mutation(
+    "chunk-of-several-groups",
+    "a chunk holding params of several param groups steps each with its own group's hyperparameters",
+    "tests/test_parity_groups.py::test_chunk_of_several_groups_is_bitwise[adamw_foreach-split]",
+    "tests/test_parity_groups.py::test_chunk_of_several_groups_is_bitwise[adamw_fused-one_chunk]",
+    "tests/test_parity_groups.py::test_chunk_of_several_groups_is_bitwise[sgd_momentum-split]",
+)
+def _one_group_per_chunk(mp: pytest.MonkeyPatch) -> None:
+    # swapopt.pipeline.run_groups hands the inner optimizer the chunk's share of each group: merge them into
+    # the first group's copy, whose hyperparameters then step every param of the chunk
+    pipeline = importlib.import_module("swapopt.pipeline")
+    run_groups = pipeline.run_groups
+
+    def merged(owner, order, groups, *rest):
+        if len(groups) > 1:
+            groups = [dict(groups[0], params=[p for g in groups for p in g["params"]])]
+            order = order[:1]
+        return run_groups(owner, order, groups, *rest)
+
+    mp.setattr(pipeline, "run_groups", merged)
+
+
+# ----- master weights (Note [master weights], swapopt.masters) -------------------------------------------
+@mutation(
+    "master-weights-fp32",
+    "master_weights steps each bf16 param through its fp32 master, which moves with the states",
+    "tests/test_master_weights.py::test_bf16_with_clipping_matches_the_recipe[adamw_foreach]",
+    "tests/test_master_weights.py::test_nothing_fp32_on_the_device_between_steps_and_peak_within_the_cap",
+)
+def _no_masters(mp: pytest.MonkeyPatch) -> None:
+    # swapopt.masters.Masters.wanted decides which params get a master: none do, so bf16 params step in bf16
+    masters = importlib.import_module("swapopt.masters")
+    mp.setattr(masters.Masters, "wanted", lambda self, p: False)
+
+
+# ----- failure atomicity (Note [failure semantics], swapopt.recovery) -------------------------------------
+@mutation(
+    "failure-drain",
+    "a failed step waits for the copies and updates already queued before it completes or rolls anything forward",
+    "tests/test_failure.py::test_failure_in_chunk_k[1-2-adamw]",
+    "tests/test_failure.py::test_failure_in_chunk_k[1-2-sgd_momentum]",
+    "tests/test_faults.py::test_fault_at_every_stage[before_swap_in-2-adamw_foreach]",
+)
+def _in_flight_chunks_not_drained(mp: pytest.MonkeyPatch) -> None:
+    # swapopt.recovery.recover starts with SwapOptimizerOperate.drain (the host waits for every stream)
+    operate = importlib.import_module("swapopt.operate")
+    mp.setattr(operate.SwapOptimizerOperate, "drain", lambda self: None)
+
+
+@mutation(
+    "failure-complete-chunk",
+    "a chunk whose update returned before the failure is completed: its params end fully stepped",
+    "tests/test_faults.py::test_fault_at_every_stage[after_update-2-adamw_foreach]",
+    "tests/test_faults.py::test_fault_at_every_stage[swap_out_interrupt-2-sgd_momentum]",
+)
+def _updated_chunk_not_completed(mp: pytest.MonkeyPatch) -> None:
+    recovery = importlib.import_module("swapopt.recovery")
+    mp.setattr(recovery, "_complete_chunk", lambda run, k, chunk: False)
+
+
+@mutation(
+    "failure-roll-forward",
+    "after a failed step every param is fully stepped or untouched: one split across the failing chunk is completed",
+    "tests/test_failure.py::test_roll_forward_at_every_chunk[0-sgd_momentum]",
+    "tests/test_failure.py::test_roll_forward_with_one_slot",
+)
+def _split_params_left_half_stepped(mp: pytest.MonkeyPatch) -> None:
+    recovery = importlib.import_module("swapopt.recovery")
+    mp.setattr(recovery, "_roll_forward", lambda run, failed, entered: None)
+
+
+# ----- checkpoints: state_dict / load_state_dict, DCP (swapopt.checkpoint) --------------------------------
+@mutation(
+    "dcp-after-swap-outs",
+    "DCP saves from and loads straight into the pinned host states once the last step's swap-outs have landed",
+    "tests/test_dcp.py::test_save_load_resume_is_bitwise",
+    "tests/test_dcp.py::test_checkpoint_of_a_plain_optimizer_resumes_a_swap_optimizer",
+)
+def _state_dict_while_swap_outs_write(mp: pytest.MonkeyPatch) -> None:
+    # swapopt.checkpoint.state_dict waits for in-flight swap-outs (opt.wait_for_swap_out) before it hands out
+    # the host tensors; on resume DCP's zero-grad step swaps out the very tensors dcp.load then writes
+    checkpoint = importlib.import_module("swapopt.checkpoint")
+    state_dict = checkpoint.state_dict
+
+    def without_waiting(opt):
+        opt.wait_for_swap_out = lambda params=None: None  # shadows the method for this call
+        try:
+            return state_dict(opt)
+        finally:
+            del opt.wait_for_swap_out
+
+    mp.setattr(checkpoint, "state_dict", without_waiting)
+
+
+@mutation(
+    "load-into-host-states",
+    "load_state_dict (and DCP's set_optimizer_state_dict) writes loaded values into the existing pinned host states",
+    "tests/test_checkpoint.py::test_set_optimizer_state_dict_fake_step_and_load_stay_on_host",
+    "tests/test_checkpoint.py::test_load_allocates_no_device_memory[with-state]",
+)
+def _loaded_values_not_written(mp: pytest.MonkeyPatch) -> None:
+    # swapopt.checkpoint.load_state_dict skips the in-place copy where source and host state are one tensor
+    # (what DCP loaded into): take every pair for one, so nothing is written into an existing host state
+    checkpoint = importlib.import_module("swapopt.checkpoint")
+    mp.setattr(checkpoint, "_same_tensor", lambda a, b: True)
+
+
+# ----- prefetch (the prefetch knob, Note [ramp] in swapopt.plan) ------------------------------------------
+@mutation(
+    "prefetch-validity",
+    "the step adopts a prefetch only if it runs the very plan the prefetch was made for, else drops it",
+    "tests/test_prefetch.py::test_plan_changes_after_the_prefetch_drop_it_without_a_leak[grad_lost]",
+)
+def _stale_prefetch_adopted(mp: pytest.MonkeyPatch) -> None:
+    # HostLayout.prepare drops the pending prefetch (SwapOptimizerOperate.discard_prefetch) before it plans
+    # anew: keep it, so that the step's begin() adopts a prefetch made for the old plan
+    layout = importlib.import_module("swapopt.layout")
+    operate = importlib.import_module("swapopt.operate")
+    prepare, discard = layout.HostLayout.prepare, operate.SwapOptimizerOperate.discard_prefetch
+    planning: list[bool] = []
+
+    def prepare_keeping_the_prefetch(self, *args, **kwargs):
+        planning.append(True)
+        try:
+            return prepare(self, *args, **kwargs)
+        finally:
+            planning.pop()
+
+    mp.setattr(layout.HostLayout, "prepare", prepare_keeping_the_prefetch)
+    mp.setattr(operate.SwapOptimizerOperate, "discard_prefetch", lambda self: False if planning else discard(self))
+
+
+@mutation(
+    "prefetch-no-ramp",
+    "with prefetch the plan has no smaller first chunks (Note [ramp]): the prefetched chunks are full ones",
+    "tests/test_prefetch_rules.py::test_prefetch_plans_no_ramp_where_one_forms_without_it[times]",
+)
+def _ramp_with_prefetch(mp: pytest.MonkeyPatch) -> None:
+    # HostLayout.prepare asks swapopt.plan.make_plan for ramp=not prefetch: ask for a ramp always
+    layout = importlib.import_module("swapopt.layout")
+    make_plan = layout.make_plan
+    mp.setattr(layout, "make_plan", lambda *args, **kw: make_plan(*args, **{**kw, "ramp": True}))
+
+
+# ----- device identity (swapopt.engine.trainer.init_distributed) ------------------------------------------
+def _engine_keeps_device_0(trainer) -> None:
+    """init_distributed no longer makes LOCAL_RANK's device current: every rank builds on device 0."""
+    real = trainer.init_distributed
+
+    def init_distributed(device_type):
+        module = trainer.device.get_torch_device_module()
+        own = vars(module).get("set_device")  # a module's function, or None for an object's method
+        module.set_device = lambda index: None
+        try:
+            return real(device_type)
+        finally:
+            if own is None:
+                del module.set_device
+            else:
+                module.set_device = own
+
+    trainer.init_distributed = init_distributed
+
+
+@mutation(
+    "device-identity",
+    "each rank builds on its own device (LOCAL_RANK), made current before anything asks for the device",
+    "tests/test_sim_device_type.py::test_engine_builds_on_its_ranks_device[h100]",
+)
+def _every_rank_on_device_0(mp: pytest.MonkeyPatch) -> None:
+    # the typed simulator runs in a process of its own (tests/sim_typed_program.py)
+    trainer = importlib.import_module("swapopt.engine.trainer")
+    mp.setattr(trainer, "init_distributed", trainer.init_distributed)  # undone after the run
+    _engine_keeps_device_0(trainer)
+    in_subprocesses(mp, "swapopt.engine.trainer", _engine_keeps_device_0)

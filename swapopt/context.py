@@ -1,0 +1,42 @@
+"""StepContext: what the lower layers (swapopt.layout, swapopt.pipeline, swapopt.recovery) need of a
+SwapOptimizer, handed to them instead of the wrapper itself, so that each knows only its inputs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from swapopt.config import SwapSettings
+from swapopt.masters import Masters
+from swapopt.operate import SwapOptimizerOperate
+
+
+@dataclass(eq=False)
+class StepContext:
+    optimizer: torch.optim.Optimizer  # the wrapped optimizer; its state and param_groups are read live
+    settings: SwapSettings
+    operate: SwapOptimizerOperate
+    step_fn: Callable[..., Any]  # the inner class's raw step (Note [raw step] in swapopt.internals)
+    masters: Masters  # fp32 masters of low-precision params (master_weights), empty otherwise
+    device: str = "cpu"  # the device type the layout was built for (get_device() at the last step)
+    warned: set[str] = field(default_factory=set)  # once-only warnings already given
+    # Per group: step-time copies of tensor hyperparameters (overlap_forward), set for the length of a step.
+    hyper: dict[int, dict[str, Any]] = field(default_factory=dict)
+
+    @property
+    def state(self) -> Any:
+        # load_state_dict rebinds the inner optimizer's state: always read it through the optimizer.
+        return self.optimizer.state
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    def warn_once(self, key: str) -> bool:
+        """Whether the warning ``key`` is due now (True once per optimizer)."""
+        if key in self.warned:
+            return False
+        self.warned.add(key)
+        return True

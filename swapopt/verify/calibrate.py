@@ -1,0 +1,288 @@
+"""Calibration probes: pinned copies each way and both at once, a fused AdamW step, a bf16 matmul, launches.
+
+Every time comes from device events on the current device module, so the same probes measure a GPU, an
+NPU or the simulator (whose events report its timeline model). `calibrated_preset.py` turns the result
+into simulator figures.
+
+Both directions at once: each direction's copies are issued as one block on its own stream, once with the
+H2D block first and once with the D2H block first, because which direction gives way may depend on the
+order (the simulator's model lets the first-launched copy keep its rate; hardware may favour one direction
+whatever the order). The blocks neither start nor end together, so each direction's rate while both were
+busy is worked out from the bytes it moved outside that window at its own rate (see `_duplex`).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from loguru import logger
+from pydantic import BaseModel
+
+import device
+from swapopt.verify.plan import CalibrationPlan
+
+DIRECTIONS = ("h2d", "d2h")
+
+
+class DuplexPoint(BaseModel):
+    """Rates in GB/s of the two directions while both were busy."""
+
+    first: str  # the direction issued first
+    h2d_gbps: float
+    d2h_gbps: float
+
+    @property
+    def total_gbps(self) -> float:
+        return self.h2d_gbps + self.d2h_gbps
+
+
+class CopyPoint(BaseModel):
+    nbytes: int  # bytes per copy
+    repeats: int  # copies per direction in each run
+    h2d_ms: float  # per copy, alone
+    d2h_ms: float
+    h2d_gbps: float
+    d2h_gbps: float
+    both: list[DuplexPoint]  # one per issue order
+
+
+class StepPoint(BaseModel):
+    numel: int
+    ms: float  # one fused AdamW step
+
+
+class MatmulPoint(BaseModel):
+    n: int
+    ms: float  # one n x n x n bf16 matmul, the stream kept busy so no launch gap is timed
+    tflops: float
+
+
+class LaunchCost(BaseModel):
+    kernel_us: float  # device time per back-to-back tiny kernel: the launch rate bounds it
+    host_launch_us: float  # host wall time per launch (on the simulator: its own Python, not modeled)
+    event_record_us: float  # host wall time per event record (same caveat)
+    event_gap_us: float  # device time between two events recorded back to back
+
+
+class Calibration(BaseModel):
+    device: str  # device label of the run
+    simulated: bool
+    pinned: str = "pinned"  # "pinned" or "expandable-segment pinned"
+    copies: list[CopyPoint]
+    adamw: list[StepPoint]
+    matmul: MatmulPoint
+    launch: LaunchCost
+    capacity_bytes: int | None = None  # total device memory the runtime reports
+    notes: list[str] = []
+
+
+def _event() -> object:
+    return device.get_torch_device_module().Event(enable_timing=True)
+
+
+def _copy_runs(nbytes: int, repeats: int) -> tuple[dict[str, float], list[DuplexPoint]]:
+    """Per-copy ms of each direction alone, and the rates of both at once in either issue order."""
+    mod = device.get_torch_device_module()
+    numel = max(nbytes // 4, 1)
+    host = {d: device.pinned_empty((numel,), dtype=torch.float32) for d in DIRECTIONS}
+    for h in host.values():
+        h.zero_()
+    dev = device.torch_device()
+    buf = {d: torch.zeros(numel, dtype=torch.float32, device=dev) for d in DIRECTIONS}
+    streams = {d: mod.Stream() for d in DIRECTIONS}
+    mod.synchronize()  # the buffers were filled on the compute stream; the copies run on their own
+
+    def copy(d: str) -> None:
+        with mod.stream(streams[d]):
+            if d == "h2d":
+                buf[d].copy_(host[d], non_blocking=True)
+            else:
+                host[d].copy_(buf[d], non_blocking=True)
+
+    def alone(d: str) -> float:
+        """ms per copy once the stream is busy: timed from the end of the first copy, so the launch of the
+        first one (host time before any byte moves) is not in it."""
+        mod.synchronize()
+        copy(d)
+        start, end = _event(), _event()
+        start.record(streams[d])
+        for _ in range(repeats - 1):
+            copy(d)
+        end.record(streams[d])
+        end.synchronize()
+        return start.elapsed_time(end) / (repeats - 1)
+
+    def both(order: tuple[str, str]) -> dict[str, tuple[float, float]]:
+        """(start, end) ms of each direction's block of copies, the first direction's block issued whole
+        before the second's (a launch-order sharing rule then favours the first), from one common origin."""
+        mod.synchronize()
+        origin = _event()
+        origin.record()
+        marks = {}
+        for d in order:
+            streams[d].wait_event(origin)
+            start = _event()
+            start.record(streams[d])
+            for _ in range(repeats):
+                copy(d)
+            end = _event()
+            end.record(streams[d])
+            marks[d] = (start, end)
+        mod.synchronize()
+        return {d: (origin.elapsed_time(s), origin.elapsed_time(e)) for d, (s, e) in marks.items()}
+
+    for d in DIRECTIONS:  # warm-up: first touch of the pinned pages, stream creation
+        copy(d)
+    per_copy = {d: alone(d) for d in DIRECTIONS}
+    rates = {d: nbytes / per_copy[d] for d in DIRECTIONS}  # bytes per ms
+    total = numel * 4 * repeats
+    duplex = [_duplex(both(order), rates, total, first=order[0]) for order in (("h2d", "d2h"), ("d2h", "h2d"))]
+    del host, buf
+    return per_copy, duplex
+
+
+def _duplex(spans: dict[str, tuple[float, float]], alone_rate: dict[str, float], nbytes: int,
+            first: str) -> DuplexPoint:
+    """Rates (GB/s) while both directions were busy, from when each started and ended: outside the window
+    where both ran, a direction ran alone at its own rate; what it moved inside the window is the rest."""
+    begin = max(s for s, _ in spans.values())
+    finish = min(e for _, e in spans.values())
+    if finish <= begin:  # they never ran together: each had the link to itself
+        return DuplexPoint(first=first, **{f"{d}_gbps": alone_rate[d] / 1e6 for d in DIRECTIONS})
+    gbps = {}
+    for d, (s, e) in spans.items():
+        outside = ((begin - s) + (e - finish)) * alone_rate[d]
+        gbps[f"{d}_gbps"] = max(nbytes - outside, 0.0) / (finish - begin) / 1e6
+    return DuplexPoint(first=first, **gbps)
+
+
+def measure_copies(sizes: list[int], target_bytes: int, on_done: Callable[[], None] = lambda: None) -> list[CopyPoint]:
+    points = []
+    for nbytes in sizes:
+        repeats = int(min(max(round(target_bytes / nbytes), 3), 64))
+        per_copy, both = _copy_runs(nbytes, repeats)
+        points.append(CopyPoint(
+            nbytes=nbytes, repeats=repeats, h2d_ms=per_copy["h2d"], d2h_ms=per_copy["d2h"],
+            h2d_gbps=nbytes / (per_copy["h2d"] * 1e6), d2h_gbps=nbytes / (per_copy["d2h"] * 1e6), both=both,
+        ))
+        logger.info("copies of {:.0f} MB: H2D {:.1f} GB/s, D2H {:.1f} GB/s alone; both at once {}", nbytes / 2**20,
+                    points[-1].h2d_gbps, points[-1].d2h_gbps,
+                    ", ".join(f"{b.first} first {b.h2d_gbps:.1f} + {b.d2h_gbps:.1f}" for b in both))
+        on_done()
+    return points
+
+
+def _timed(fn: Callable[[], None], repeats: int, busy: Callable[[], None] | None = None) -> float:
+    """Median ms of `fn` between two events. `busy` is queued first so the host runs ahead of the device
+    and the timed window holds the device's work only, not the launch of its first op."""
+    mod = device.get_torch_device_module()
+    times = []
+    for _ in range(repeats):
+        mod.synchronize()
+        if busy is not None:
+            busy()
+        start, end = _event(), _event()
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def measure_adamw(numels: list[int], repeats: int, on_done: Callable[[], None] = lambda: None) -> list[StepPoint]:
+    """One fused AdamW step over one fp32 tensor of each size (the kernel swapopt runs per chunk)."""
+    dev = device.torch_device()
+    points = []
+    for numel in numels:
+        param = torch.nn.Parameter(torch.zeros(numel, device=dev))
+        param.grad = torch.full_like(param, 1e-3)
+        opt = torch.optim.AdamW([param], lr=1e-3, fused=True)
+        opt.step()  # creates the states
+        ms = _timed(opt.step, repeats)
+        points.append(StepPoint(numel=numel, ms=ms))
+        logger.info("fused AdamW step, {:,} params: {:.3f} ms", numel, ms)
+        del opt, param
+        on_done()
+    return points
+
+
+def measure_matmul(n: int, per_window: int, repeats: int) -> MatmulPoint:
+    dev = device.torch_device()
+    a = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+
+    def mm() -> None:
+        for _ in range(per_window):
+            torch.mm(a, b)
+
+    mm()  # warm-up: library handles, kernel selection
+    ms = _timed(mm, repeats, busy=mm) / per_window
+    point = MatmulPoint(n=n, ms=ms, tflops=2 * n**3 / (ms * 1e-3) / 1e12)
+    logger.info("bf16 matmul {}^3: {:.3f} ms, {:.1f} TFLOP/s", n, ms, point.tflops)
+    return point
+
+
+def measure_launch(count: int) -> LaunchCost:
+    mod = device.get_torch_device_module()
+    x = torch.zeros(1, device=device.torch_device())
+
+    def tiny() -> None:
+        for _ in range(count):
+            x.add_(1)
+
+    tiny()
+    mod.synchronize()
+    t0 = time.perf_counter()
+    ms = _timed(tiny, 1)
+    host_s = time.perf_counter() - t0
+    events = [_event() for _ in range(count)]
+    mod.synchronize()
+    t0 = time.perf_counter()
+    for e in events:
+        e.record()
+    record_s = time.perf_counter() - t0
+    events[-1].synchronize()
+    gap_ms = events[0].elapsed_time(events[-1]) / max(count - 1, 1)
+    return LaunchCost(kernel_us=ms * 1e3 / count, host_launch_us=host_s * 1e6 / count,
+                      event_record_us=record_s * 1e6 / count, event_gap_us=gap_ms * 1e3)
+
+
+def capacity_bytes() -> int | None:
+    try:
+        return int(device.get_torch_device_module().mem_get_info()[1])
+    except Exception:  # noqa: BLE001 - a runtime without mem_get_info: the preset keeps its figure
+        return None
+
+
+def measure(plan: CalibrationPlan, label: str, *, max_copy_bytes: int | None = None,
+            max_adamw_numel: int | None = None, matmul_n: int | None = None,
+            progress: Callable[[], None] = lambda: None) -> Calibration:
+    """Every probe of `plan` on the current device module; sizes above the caps are left out, and `matmul_n`
+    replaces the plan's matmul size (with one matmul per timed window)."""
+    copy_sizes = [s for s in plan.copy_sizes if max_copy_bytes is None or s <= max_copy_bytes]
+    numels = [n for n in plan.adamw_numels if max_adamw_numel is None or n <= max_adamw_numel]
+    simulated = device.is_simulated()
+    repeats = 1 if simulated else plan.repeats  # modeled times are deterministic
+    copies = measure_copies(copy_sizes, plan.copy_target_bytes, on_done=progress)
+    adamw = measure_adamw(numels, repeats, on_done=progress)
+    matmul = measure_matmul(matmul_n or plan.matmul_n, 1 if matmul_n else plan.matmul_repeats, repeats)
+    progress()
+    launch = measure_launch(plan.launches)
+    progress()
+    notes = []
+    if simulated:
+        notes.append("simulated: every time is the simulator's timeline model; host-side launch and event "
+                     "times are the simulator's own Python, which no device has")
+    return Calibration(device=label, simulated=simulated, copies=copies, adamw=adamw, matmul=matmul,
+                       launch=launch, capacity_bytes=capacity_bytes(), notes=notes)
+
+
+def probe_count(plan: CalibrationPlan, max_copy_bytes: int | None = None, max_adamw_numel: int | None = None) -> int:
+    """How many progress steps `measure` reports."""
+    copies = sum(1 for s in plan.copy_sizes if max_copy_bytes is None or s <= max_copy_bytes)
+    numels = sum(1 for n in plan.adamw_numels if max_adamw_numel is None or n <= max_adamw_numel)
+    return copies + numels + 2

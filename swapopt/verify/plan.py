@@ -1,0 +1,110 @@
+"""What a verify run measures, on a device and in a dry run: sizes, repeats, layouts, configs.
+
+The device plan is sized to finish within 30 minutes on one GPU or NPU (every phase's share is in the
+comments); the dry plan runs the same code paths at sizes the simulator finishes in under a minute on
+two CPU cores, so CI keeps the command working.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field
+
+MB = 1 << 20
+
+
+class CalibrationPlan(BaseModel):
+    """The probes of `calibrate.measure`."""
+
+    copy_sizes: list[int]  # bytes per copy
+    copy_target_bytes: int  # each (size, direction) run copies about this much: repeats = target / size
+    adamw_numels: list[int]  # params of the fused AdamW step probe (one tensor each)
+    matmul_n: int  # n x n x n bf16 matmul
+    matmul_repeats: int
+    launches: int  # back-to-back tiny kernels timed by events
+    repeats: int  # timed repeats of each AdamW and matmul probe (median)
+
+
+class VerifyPlan(BaseModel):
+    dry_run: bool
+    calibration: CalibrationPlan
+    # The modeled side runs the calibration probes on the simulator: its ops are real CPU work, so the
+    # large copies are capped (rates are reported per size, so the capped sizes still line up).
+    model_copy_max_bytes: int
+    model_adamw_max_numel: int
+    model_matmul_n: int  # the matmul's size on the simulator: its rate, not its time, is compared
+    bench_sizes: list[float] | None  # billions of params; None: the largest up to 1B that fits (as the bench)
+    strategies: list[str] | None = None  # quick-table strategies; None: every one the bench has
+    bench_times: list[int] = Field(default_factory=lambda: [16, 64])
+    bench_slots: list[int] = Field(default_factory=lambda: [3])
+    reference_times: list[int] = Field(default_factory=lambda: [16])
+    layouts: list[str] = Field(default_factory=lambda: ["llama7b", "moe", "fsdp256", "tiny10k"])
+    layout_times: list[int] = Field(default_factory=lambda: [16, 64])
+    layout_max_numel: int | None = None  # None: what fits the device (the bench's default)
+    # Only the first this many tensors of each layout (None: all): the dry run keeps a layout's shapes but not its
+    # hundreds of tensors, each of which costs the simulator host time per op.
+    layout_tensor_limit: int | None = None
+    e2e: list[str] = Field(default_factory=list)  # engine config specs ('name:key=value:...')
+    e2e_steps: int = 3
+    e2e_warmup: int = 2
+    # The modeled side of the bench rows runs on the simulator at no more than these sizes; larger measured
+    # rows are compared against a smaller modeled run scaled by state bytes (said in the row).
+    model_bench_size: float = 0.1
+    model_layout_max_numel: int = 16_000_000
+    model_e2e: bool = False  # the simulator runs a forward as real CPU work: minutes per llm_1b step
+    peer_steps: int = 5
+    device_tests_timeout_s: int = 600
+
+
+DEVICE_PLAN = VerifyPlan(
+    dry_run=False,
+    calibration=CalibrationPlan(
+        copy_sizes=[1 * MB, 4 * MB, 16 * MB, 64 * MB, 256 * MB, 1024 * MB],
+        copy_target_bytes=4 << 30,  # about 80 ms per run at 55 GB/s: 4 runs x 6 sizes, a few seconds
+        adamw_numels=[1_000_000, 10_000_000, 100_000_000],
+        matmul_n=8192,
+        matmul_repeats=10,
+        launches=2000,
+        repeats=5,
+    ),
+    model_copy_max_bytes=1024 * MB,
+    model_adamw_max_numel=20_000_000,
+    # Compute-bound on the simulated device at any calibrated rate under ~1,500 TFLOP/s, a quarter second of CPU.
+    model_matmul_n=2048,
+    bench_sizes=None,
+    # llm_1b at full width (its own config); prefetch on so the overlap variant runs as it would train.
+    e2e=["llm_100m", "llm_1b:optim.prefetch=true"],
+)
+
+DRY_PLAN = VerifyPlan(
+    dry_run=True,
+    calibration=CalibrationPlan(
+        copy_sizes=[1 * MB, 4 * MB],
+        copy_target_bytes=16 * MB,
+        adamw_numels=[100_000, 400_000],
+        # Launch-bound on the simulated h100 (the bf16 rate is then kept from the base preset, and the report
+        # says so); a compute-bound size costs the host a second per matmul.
+        matmul_n=1024,
+        matmul_repeats=1,
+        launches=200,
+        repeats=1,  # the simulator's times are deterministic
+    ),
+    model_copy_max_bytes=4 * MB,
+    model_adamw_max_numel=400_000,
+    model_matmul_n=1024,
+    bench_sizes=[0.0002],
+    strategies=["resident", "swapopt"],
+    bench_times=[4],
+    reference_times=[4],
+    layouts=["llama7b"],
+    layout_times=[4],
+    layout_max_numel=200_000,
+    layout_tensor_limit=12,
+    e2e=["tiny:train.batch=1:train.seq_len=16:model.dim=32:model.n_layers=1"],
+    e2e_steps=1,
+    e2e_warmup=1,
+    model_bench_size=0.0002,
+    model_layout_max_numel=200_000,
+    model_e2e=True,
+    peer_steps=1,
+    device_tests_timeout_s=300,
+)
