@@ -1,6 +1,7 @@
 """device.sim as the tests use it: activate() also makes the simulated device torch's default device, so
 tests read as written for a machine whose default device is the accelerator (factories without a device
-make device tensors; host memory is asked for by name: device="cpu", pin_memory, device.pinned_empty)."""
+make device tensors; host memory is asked for by name: device="cpu" (with pin_memory=True for pinned memory:
+pin_memory alone asks to pin device memory, which CUDA refuses), or device.pinned_empty)."""
 
 from __future__ import annotations
 
