@@ -44,6 +44,22 @@ def _unlike(grad: torch.Tensor, param: torch.Tensor) -> bool:
 
 
 @dataclass(eq=False)
+class _ToCome:
+    """A state the first step will create for ``param``, of ``dtype`` and the param's shape (relayout
+    places room for it beside the param's master)."""
+
+    param: torch.Tensor
+    dtype: torch.dtype
+
+
+def _sizes(stored: Any) -> tuple[int, int]:
+    """(bytes, itemsize) of a host state, or of one to come, as pack() takes them."""
+    if isinstance(stored, _ToCome):
+        return local(stored.param).numel() * itemsize(stored.dtype), itemsize(stored.dtype)
+    return hoststate.state_nbytes(stored), local(stored).element_size()
+
+
+@dataclass(eq=False)
 class Host:
     """Host states of one param as cached by the planner: the tensors stored in opt.state and their
     host-local tensors (the DTensor shards for DTensor params)."""
@@ -124,6 +140,9 @@ class HostLayout:
         self.ctx = ctx
         self.elementwise = perparam.is_elementwise(type(ctx.optimizer))
         self.pre_hosts: dict[torch.Tensor, dict[str, torch.Tensor]] = {}  # see preallocate
+        # States relayout placed beside a master before the optimizer creates them (Note [master weights]):
+        # preallocate hands them out.
+        self.pre_placed: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
         self.arenas = Arenas()  # pinned buffers holding states in chunk order (swapopt.arena)
         self.split_cache: dict[torch.Tensor, tuple] = {}  # see splittable
         self.host: dict[torch.Tensor, Host] = {}
@@ -435,13 +454,16 @@ class HostLayout:
         for i in range(len(params)):  # a param that left the resident set goes back to the host
             if i not in plan.resident and params[i] not in self.host and self.state.get(params[i]):
                 self.cache_host(params[i], quiet=True)
-        self.relayout(plan, params, flat)
+        self.relayout(plan, params, flat, groups, gather)
         regions = [self.regions(chunk.pieces, params, flat, gather, upcast) for chunk in plan.chunks]
         slot_bytes = max((r[-1].offset + r[-1].nbytes for r in regions if r), default=0)
         last_chunk = {params[i]: k for i, k in plan.last_chunk.items()}
         key = (tuple(map(id, params)), tuple(groups), tuple(gather), self.version)
         if len(self.arenas):
-            self.arenas.prune([t for e in self.host.values() for t in e.locals])
+            self.arenas.prune(
+                [t for e in self.host.values() for t in e.locals]
+                + [local(t) for st in self.pre_placed.values() for t in st.values()]
+            )
         runs = [self.arenas.runs(r) for r in regions]
         covered = [frozenset(i for run in rs for i in run.regions) for rs in runs]
         h2d_bytes = [sum(r.nbytes for r in rs if r.host is not None) for rs in regions]
@@ -469,7 +491,9 @@ class HostLayout:
                 groups.append([chunk])
         return groups
 
-    def relayout(self, plan: Plan, params: list[torch.Tensor], flat: list[bool]) -> None:
+    def relayout(
+        self, plan: Plan, params: list[torch.Tensor], flat: list[bool], groups: list[int], gather: list[bool]
+    ) -> None:
         """Host states that exist before they are first swapped (loaded by load_state_dict, built by the
         optimizer's constructor, adopted at wrap time) or that an earlier plan placed for other chunks
         move into one pinned arena per chunk, in region order, so each chunk moves in one copy each way
@@ -477,20 +501,28 @@ class HostLayout:
 
         A param split across chunks keeps each state one tensor, laid whole where its first piece is: the
         chunks it spans share one arena, and each of them moves in one copy per state each way (the first
-        state's piece joins the run before it, the last state's piece the run after it)."""
-        moves: list[list[tuple[torch.Tensor, str, torch.Tensor]]] = []
+        state's piece joins the run before it, the last state's piece the run after it).
+
+        A master whose param has no states yet (Note [master weights]) is laid out with room for the states
+        the first step will create before it (``pre_placed``, handed out by preallocate), as this layout
+        would place them once they exist: the next plan then finds everything packed and moves nothing."""
+        self.pre_placed = {}
+        moves: list[list[tuple[torch.Tensor, str, Any]]] = []
         for group in self.arena_groups(plan):
-            want: list[tuple[torch.Tensor, str, torch.Tensor]] = []
+            want: list[tuple[torch.Tensor, str, Any]] = []
             for chunk in group:
                 for piece in chunk.pieces:
                     p = params[piece.index]
                     entry = self.host.get(p)
                     if entry is None or piece.start > 0:  # a later piece: placed with the first
                         continue
+                    if entry.keys == (MASTER,):
+                        want += [(p, key, _ToCome(p, dtype)) for key, dtype in self.states_to_come(
+                            p, groups[piece.index], gather[piece.index])]  # fmt: skip
                     for key, stored, loc in zip(entry.keys, entry.stored, entry.locals):
                         if loc.numel() and hoststate.is_dense(loc):
                             want.append((p, key, stored))
-            if not self.packed([local(s) for _, _, s in want]):
+            if any(isinstance(s, _ToCome) for _, _, s in want) or not self.packed([local(s) for _, _, s in want]):
                 moves.append(want)
         if not moves:
             return
@@ -498,11 +530,11 @@ class HostLayout:
         nstates = nbytes = 0
         while moves:  # arena by arena, so the old copies are let go of as the new ones are filled
             want = moves.pop(0)
-            sizes = [(hoststate.state_nbytes(s), local(s).element_size()) for _, _, s in want]
+            sizes = [_sizes(s) for _, _, s in want]
             for members, offsets, size in pack(sizes):
                 self.move([(*want[i], offset) for i, offset in zip(members, offsets)], size)
             nstates += len(want)
-            nbytes += sum(hoststate.state_nbytes(s) for _, _, s in want)
+            nbytes += sum(n for n, _ in sizes)
         logger.debug(
             "swapopt: re-layout of {} host states ({:.2f} MiB) into chunk-ordered arenas, one host copy each",
             nstates, nbytes / MiB,
@@ -527,11 +559,25 @@ class HostLayout:
             return
         base = self.arenas.allocate(nbytes)
         for p, key, stored, offset in placed:
+            if isinstance(stored, _ToCome):  # room for a state the first step creates: nothing to copy
+                self.pre_placed.setdefault(p, {})[key] = self.arenas.place(base, offset, p, stored.dtype)
+                continue
             new = self.arenas.place(base, offset, stored, local(stored).dtype)
             local(new).copy_(local(stored))
             self.holder(p, key)[key] = new
-        for p in dict.fromkeys(p for p, _, _, _ in placed):
+        for p in dict.fromkeys(p for p, _, s, _ in placed if not isinstance(s, _ToCome)):
             self.cache_host(p, quiet=True)
+
+    def states_to_come(self, p: torch.Tensor, gi: int, gathered: bool) -> list[tuple[str, torch.dtype]]:
+        """(key, dtype) of the param-shaped states the first step will create for p, when preallocate would
+        place them in an arena (an element-wise optimizer, a probe that knows them, a grad laid out like p);
+        else none."""
+        if not self.elementwise or gathered or not local(p).numel():
+            return []
+        probed = self.probe(p, gi)
+        if probed is None or not all(shaped for _, _, shaped in probed[1]):
+            return []
+        return [(key, dtype) for key, dtype, _ in probed[1]]
 
     def probe(self, p: torch.Tensor, gi: int) -> tuple[int, tuple] | None:
         loc = local(p)
@@ -577,6 +623,9 @@ class HostLayout:
                 i = piece.index
                 p = prep.params[i]
                 if p in out or self.has_states(p) or p in self.resident or self.state.get(p):
+                    continue
+                if p in self.pre_placed:  # laid out beside its master by relayout
+                    out[p] = self.pre_placed.pop(p)
                     continue
                 probed = self.probe(p, prep.groups[i])
                 if probed is None:

@@ -335,3 +335,26 @@ def test_without_an_accelerator_the_masters_step_in_place_as_the_recipe():
         model, opt, twin, recipe = _train(MAKERS["adamw_foreach"], torch.bfloat16, 3, clip=0.05)
     assert opt.swap_stats().steps == 0  # nothing swapped
     _assert_models_equal(model, opt, twin, recipe)
+
+
+def test_states_and_masters_stay_where_the_first_step_put_them():
+    # the first step creates the states in the room laid out for them beside the masters: no later step
+    # moves anything on the host (a re-layout would copy every master and state once more)
+    with simulator.activate():
+        params = [nn.Parameter(torch.randn(64, 48).to(torch.bfloat16)) for _ in range(6)]
+        opt = SwapOptimizer(O.AdamW(params, lr=1e-3, foreach=True), swap_optimizer_times=3, master_weights=True)
+
+        def addresses():
+            opt.wait_for_swap_out()
+            sd = opt.state_dict()["state"]
+            return [(k, v.data_ptr()) for i in sorted(sd) for k, v in sd[i].items() if k != "step"]
+
+        seen = []
+        for _ in range(3):
+            for p in params:
+                p.grad = torch.randn(p.shape).to(torch.bfloat16)
+            opt.step()
+            seen.append([ptr for _, ptr in addresses()])
+        assert len(seen[0]) == 3 * len(params)  # two moments and the master of each
+        assert seen[0] == seen[1] == seen[2]
+        assert len(opt._layout.arenas) <= 3  # one arena per chunk
