@@ -271,54 +271,21 @@ def torchao_offload() -> tuple[type | None, str | None]:
 
 @contextlib.contextmanager
 def _torchao_on_simulator() -> Iterator[list[str]]:
-    """What torchao needs to run on the simulator, and nothing on a real device.
-
-    torchao picks its device from ``torch.cuda.is_available()``, which the simulator keeps False (no tensor is
-    cuda-typed) while it presents the rest of torch.cuda (streams, events, synchronize): name cuda for it.
-    The stream sanitizer stays off for this peer: the simulator runs ops that a backward hook issues under
-    ``with torch.cuda.stream(s)`` on the stream of the hook's forward op, not on ``s``, so torchao's grad copies
-    look unordered to it (and are serialized with the backward's kernels: a pessimistic time for torchao).
-    """
+    """What torchao needs to run on the simulator, and nothing on a real device: torchao picks its device from
+    ``torch.cuda.is_available()``, which the simulator keeps False (no tensor is cuda-typed) while it presents
+    the rest of torch.cuda (streams, events, synchronize), so name cuda for it."""
     notes: list[str] = []
     if not device.is_simulated():
         yield notes
         return
     import torchao.optim.cpu_offload as cpu_offload
 
-    mod = _mod()
-    saved_devices, saved_sanitize = cpu_offload.get_available_devices, getattr(mod, "sanitize", None)
+    saved_devices = cpu_offload.get_available_devices
     cpu_offload.get_available_devices = lambda: ["cpu", "cuda"]
-    notes.append("simulator: the grad copies its backward hooks issue on its own stream are modeled on the compute "
-                 "stream, so they do not overlap the backward here as they would on a GPU (pessimistic for torchao "
-                 "by at most grad bytes / D2H link rate)")
-    if saved_sanitize:
-        mod.sanitize = False
-        notes.append("simulator: stream sanitizer off for this peer (the same misplacement makes its copies look "
-                     "unordered to it)")
     try:
         yield notes
     finally:
         cpu_offload.get_available_devices = saved_devices
-        if saved_sanitize is not None:
-            mod.sanitize = saved_sanitize
-
-
-@contextlib.contextmanager
-def _pinned_empty_like() -> Iterator[None]:
-    """``torch.empty_like(device_tensor, device="cpu", pin_memory=True)`` as an explicit pinned ``torch.empty``
-    (same shape and dtype: params are contiguous), for a simulator that refuses the former."""
-    original = torch.empty_like
-
-    def empty_like(t: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if kwargs.get("pin_memory") and str(kwargs.get("device")) == "cpu" and not args:
-            return torch.empty(tuple(t.shape), dtype=kwargs.get("dtype") or t.dtype, device="cpu", pin_memory=True)
-        return original(t, *args, **kwargs)
-
-    torch.empty_like = empty_like
-    try:
-        yield
-    finally:
-        torch.empty_like = original
 
 
 def _torchao(params: list[torch.nn.Parameter], size: Size) -> Peer:
@@ -328,17 +295,7 @@ def _torchao(params: list[torch.nn.Parameter], size: Size) -> Peer:
     stack = contextlib.ExitStack()
     notes = stack.enter_context(_torchao_on_simulator())
     try:
-        make = lambda: cls(params, torch.optim.AdamW, lr=LR, betas=BETAS, eps=EPS,  # noqa: E731
-                           weight_decay=WEIGHT_DECAY, fused=True)
-        try:
-            opt = make()
-        except RuntimeError as err:
-            if not (device.is_simulated() and "cannot pin" in str(err)):
-                raise
-            with _pinned_empty_like():
-                opt = make()
-            notes.append("simulator: torch.empty_like(device param, device='cpu', pin_memory=True) refused by the "
-                         "simulator, given as torch.empty(shape, pin_memory=True) during construction")
+        opt = cls(params, torch.optim.AdamW, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, fused=True)
     except BaseException:
         stack.close()
         raise
