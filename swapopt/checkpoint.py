@@ -36,18 +36,15 @@ def state_dict(opt) -> dict[str, Any]:
     # Between steps the swapped states are the pinned host tensors (DTensors over host shards for DTensor
     # params), so the inner optimizer's own state_dict already has the right format and copies nothing.
     sd = opt.optimizer.state_dict()
-    layout = getattr(opt, "_layout", None)
-    arenas = layout.arenas if layout is not None else None
-    if arenas is not None and len(arenas):  # new dicts: the inner's state_dict shares the per-param ones
-        sd["state"] = {i: {k: arenas.own_bytes(v) for k, v in st.items()} for i, st in sd["state"].items()}
+    arenas = opt._layout.arenas
     masters = opt._ctx.masters
+    if len(arenas) or masters.ready:  # new dicts: the inner's state_dict shares the per-param ones
+        sd["state"] = {i: {k: arenas.own_bytes(v) for k, v in st.items()} for i, st in sd["state"].items()}
     if masters.ready:
         # Note [master weights]: each master that holds a value goes with its param's state, in host memory.
-        sd["state"] = {i: dict(st) for i, st in sd["state"].items()}
         for i, p in _indexed_params(opt):
             if p in masters.ready:
-                master = masters.get(p)
-                sd["state"].setdefault(i, {})[MASTER_KEY] = arenas.own_bytes(master) if arenas is not None else master
+                sd["state"].setdefault(i, {})[MASTER_KEY] = arenas.own_bytes(masters.get(p))
     for hook in internals.state_dict_hooks(opt, "state_dict_post"):
         result = hook(opt, sd)
         if result is not None:
@@ -252,7 +249,7 @@ def _commit_masters(opt, masters: Any, copies: list[_Copy], staged: dict[int, to
         masters.ready.add(c.param)
     missing = [p for p, values in new_state.items() if values and masters.wanted(p) and id(p) not in loaded]
     if missing:
-        masters.forget_missing(missing)
+        masters.ready.difference_update(missing)  # made from the params at the next step
         if not masters.warned_missing:
             masters.warned_missing = True
             warnings.warn(

@@ -77,7 +77,7 @@ def settings_from(knobs: dict[str, Any]) -> SwapSettings:
     """SwapSettings from keyword arguments, with errors that name the knob as the caller wrote it."""
     unknown = sorted(set(knobs) - set(KNOBS))
     if unknown:
-        raise TypeError(f"unknown swap knob(s) {', '.join(unknown)}; the knobs are: {', '.join(KNOBS)}")
+        raise TypeError(f"unknown swapopt knob(s) {', '.join(unknown)}; the knobs are: {', '.join(KNOBS)}")
     try:
         return SwapSettings(**knobs)
     except ValueError as err:  # pydantic's ValidationError: one line per bad knob

@@ -3,6 +3,9 @@ SwapOptimizer, handed to them instead of the wrapper itself, so that each knows 
 
 from __future__ import annotations
 
+import os
+import sys
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -34,9 +37,26 @@ class StepContext:
     def param_groups(self) -> list[dict[str, Any]]:
         return self.optimizer.param_groups
 
-    def warn_once(self, key: str) -> bool:
-        """Whether the warning ``key`` is due now (True once per optimizer)."""
+    def warn_once(self, key: str, message: str) -> bool:
+        """Warn ``message`` the first time ``key`` comes up for this optimizer, pointing at the user's line that
+        led to it (see user_stacklevel); whether it was warned now."""
         if key in self.warned:
             return False
         self.warned.add(key)
+        warnings.warn(message, stacklevel=user_stacklevel())
         return True
+
+
+_INTERNAL_DIRS = (os.path.dirname(os.path.abspath(__file__)) + os.sep, os.path.dirname(torch.__file__) + os.sep)
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` that makes a warning raised by the calling function's caller point at the user's line
+    that led to it (``opt.step()``, ``scaler.step(opt)``, a forward that prefetches): past swapopt's and torch's
+    own frames, however many wrappers (no_grad, step hooks, GradScaler, module hooks) the call went through."""
+    frame = sys._getframe(1)  # the function that asked: stacklevel 1 once warnings.warn is called from it
+    level = 1
+    while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL_DIRS):
+        frame = frame.f_back
+        level += 1
+    return level

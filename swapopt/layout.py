@@ -9,7 +9,6 @@ which params stay resident, and which may be split across chunks.
 from __future__ import annotations
 
 import operator
-import warnings
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from itertools import compress, repeat
@@ -278,15 +277,15 @@ class HostLayout:
                 continue
             upcast = want is not None and value.is_floating_point() and local(value).dtype != want
             if upcast or not device.is_host_tensor(value) or not hoststate.is_dense(local(value)):
-                if not quiet and not device.is_host_tensor(value) and self.ctx.warn_once("rehome"):
-                    warnings.warn(
+                if not quiet and not device.is_host_tensor(value):
+                    self.ctx.warn_once(
+                        "rehome",
                         f"swapopt: optimizer state {key!r} was found in device memory, moved there behind the "
                         "optimizer's back (an 'optimizer to device' helper, such as Lightning's default "
                         "strategies on resume); it is copied back into pinned host memory, but held device "
                         "memory until now. With Lightning use swapopt.integrations.lightning's "
                         "SwapSingleDeviceStrategy / SwapDDPStrategy; elsewhere, do not move a SwapOptimizer's "
                         "states (swapopt.put_optimizer_to_device keeps swapped states on the host)",
-                        stacklevel=2,
                     )
                 src = local(value)
                 home = previous.get(key)  # the pinned tensor it came from, when it still fits

@@ -27,8 +27,6 @@
 
 from __future__ import annotations
 
-from typing import Iterable
-
 import torch
 
 from swapopt import hoststate
@@ -84,9 +82,3 @@ class Masters:
         """Fill a host ``master`` from p now (a synchronous copy: the in-place path and checkpoint loads)."""
         local(master).copy_(local(p).detach())
         self.ready.add(p)
-
-    def forget_missing(self, params: Iterable[torch.Tensor]) -> None:
-        """These params' masters hold no value any more (a load without masters): the next step makes them
-        from the params."""
-        for p in params:
-            self.ready.discard(p)

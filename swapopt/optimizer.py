@@ -13,8 +13,6 @@ private torch internals in swapopt.internals.
 from __future__ import annotations
 
 import contextlib
-import os
-import sys
 import warnings
 import weakref
 from typing import Any, Callable, Iterable
@@ -106,21 +104,6 @@ def _refuse(optimizer: Any, per_param: bool) -> None:
             "swapopt.register_per_param(cls); otherwise run it unwrapped"
         )
 
-
-
-_INTERNAL_DIRS = (os.path.dirname(os.path.abspath(__file__)) + os.sep, os.path.dirname(torch.__file__) + os.sep)
-
-
-def _caller_stacklevel() -> int:
-    """The ``stacklevel`` that makes a warning raised by the calling function point at the user's line that
-    led to it (``opt.step()``, or ``scaler.step(opt)``): past swapopt's and torch's own frames, however many
-    wrappers (no_grad, step hooks, GradScaler) the call went through."""
-    frame = sys._getframe(1)  # the function that warns: stacklevel 1
-    level = 1
-    while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL_DIRS):
-        frame = frame.f_back
-        level += 1
-    return level
 
 
 # The live wrapper of each inner optimizer: two wrappers of one optimizer would each stream its states
@@ -447,12 +430,11 @@ class SwapOptimizer(torch.optim.Optimizer):
                 self._ctx.device = mode
                 self.invalidate()
             if mode == "cpu":
-                if self._ctx.warn_once("cpu"):
-                    warnings.warn(
-                        f"swapopt: no accelerator or simulator is active, so SwapOptimizer steps "
-                        f"{type(inner).__name__} in place and its states stay where torch puts them",
-                        stacklevel=_caller_stacklevel(),
-                    )
+                if self._ctx.warn_once(
+                    "cpu",
+                    f"swapopt: no accelerator or simulator is active, so SwapOptimizer steps "
+                    f"{type(inner).__name__} in place and its states stay where torch puts them",
+                ):
                     logger.info("swapopt: no accelerator, stepping {} in place", type(inner).__name__)
                 if self._ctx.masters.enabled:
                     if args:
@@ -478,13 +460,13 @@ class SwapOptimizer(torch.optim.Optimizer):
         if self.operate.overlap:  # stream the first layers first (swapopt.overlap)
             params, groups = self._forward_waits.order(params, groups)
         if in_place:
-            if self._ctx.warn_once("host"):
+            if "host" not in self._ctx.warned:
                 n = sum(len(ps) for ps in in_place.values())
-                warnings.warn(
+                self._ctx.warn_once(
+                    "host",
                     f"swapopt: {n} param(s) are in host memory, not on the {self._ctx.device} device, so their states "
                     "are stepped in place and not swapped (swap_stats() counts only swapped steps). Move the "
                     "model to the device (model.to(device.torch_device())) before building the optimizer",
-                    stacklevel=_caller_stacklevel(),
                 )
             pipeline.step_in_place(self._ctx, dict(in_place), kwargs)
         if not params:

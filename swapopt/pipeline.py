@@ -25,7 +25,6 @@ reached, which the failure path (swapopt.recovery, Note [failure semantics]) rea
 
 from __future__ import annotations
 
-import warnings
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Iterable
@@ -746,11 +745,11 @@ PREFETCH_SHARE_WARNING = 1 / 3
 def _warn_if_prefetch_holds_most(ctx: StepContext, prep: Prepared, ahead: int) -> None:
     total = prep.plan.total_bytes
     held = sum(c.nbytes for c in prep.plan.chunks[:ahead])
-    if not total or held / total <= PREFETCH_SHARE_WARNING or not ctx.warn_once("prefetch-share"):
+    if not total or held / total <= PREFETCH_SHARE_WARNING:
         return
-    warnings.warn(
+    ctx.warn_once(
+        "prefetch-share",
         f"swapopt: prefetch holds {held / total:.0%} of the swapped states on the device through the backward "
         f"({ahead} of {len(prep.plan.chunks)} chunks); raise swap_optimizer_times (or lower chunk_mb) so that "
         f"the {ahead} chunk(s) it swaps in ahead are a small share, or turn prefetch off",
-        stacklevel=2,
     )

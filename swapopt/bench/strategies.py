@@ -137,8 +137,8 @@ class _HostStateStrategy:
         self.params, self.spec = list(params), spec
         self.keys = spec.keys()
         self.host = {p: {k: _host_zeros_like(p, spec.state_dtype(p)) for k in self.keys} for p in self.params}
-        for p in self.params:
-            if "master" in self.keys:
+        if spec.master_weights:
+            for p in self.params:
                 self.host[p]["master"].copy_(p.detach())  # master = p.float()
         # The host step keeps its counters on the host too (fused wants them beside the tensors it updates).
         self.steps = {

@@ -13,9 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from swapopt.classes import swap_class
-from swapopt.config import KNOBS
-
-_KNOBS = KNOBS  # swap_class's keywords
+from swapopt.config import settings_from
 
 
 def swap_optimizer_cls_and_kwargs(args: Any, model: Any = None, **knobs: Any) -> tuple[type, dict[str, Any]]:
@@ -23,9 +21,7 @@ def swap_optimizer_cls_and_kwargs(args: Any, model: Any = None, **knobs: Any) ->
     with the Trainer's own arguments for it, as a swapping class; ``knobs`` are swapopt's keywords
     (``swap_optimizer_times=16``, ``resident_mb``, ...). Optimizers swapopt cannot swap are refused when the
     Trainer builds them, with the reason."""
-    unknown = sorted(set(knobs) - set(_KNOBS))
-    if unknown:
-        raise TypeError(f"unknown swapopt knob(s) {unknown}; the knobs are {', '.join(_KNOBS)}")
+    settings_from(knobs)  # the knobs' names and values are checked here, not when the Trainer builds it
     from transformers import Trainer
 
     cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
