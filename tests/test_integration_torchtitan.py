@@ -3,6 +3,8 @@ save, load into a fresh container, continue bitwise like torchtitan's own Optimi
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
@@ -94,6 +96,22 @@ def test_config_knobs_are_validated_and_wrap_each_optimizer(sim):
     assert [g["weight_decay"] for g in opts.optimizers[0].param_groups] == [0.0, 0.1]
     plain = SwapOptimizersContainer.Config(param_groups=GROUPS, swap_optimizer=False).build(model_parts=[model(0)])
     assert not any(isinstance(o, SwapOptimizer) for o in plain)
+
+
+def test_config_carries_every_swap_knob_with_its_default(sim):
+    from swapopt.config import KNOBS, SwapSettings
+
+    fields = {f.name: f for f in dataclasses.fields(SwapOptimizersContainer.Config)}
+    for name in KNOBS:
+        assert fields[name].default == SwapSettings.model_fields[name].default, name
+        assert fields[name].metadata["doc"], name
+    opts = SwapOptimizersContainer.Config(param_groups=GROUPS, master_weights=True, slots=2, chunk_mb=1.0,
+                                          prefetch=True).build(model_parts=[m := model(0)])
+    settings = opts.optimizers[0].settings
+    assert (settings.master_weights, settings.slots, settings.chunk_mb, settings.prefetch) == (True, 2, 1.0, True)
+    assert m._forward_hooks, "prefetch attaches the model part's forward hook"
+    with pytest.raises(ValueError, match="overlap_forward"):
+        SwapOptimizersContainer.Config(param_groups=GROUPS, overlap_forward=True).build(model_parts=[model(0)])
 
 
 # "async_with_pinned_mem" stages with non-blocking copies, which need a real accelerator.

@@ -164,3 +164,13 @@ def test_import_without_mmengine_says_how_to_install(monkeypatch):
     monkeypatch.delitem(sys.modules, "swapopt.integrations.mmengine")
     with pytest.raises(ImportError, match=r"needs mmengine: pip install 'swapopt\[mmengine\]'"):
         importlib.import_module("swapopt.integrations.mmengine")
+
+
+def test_every_swap_knob_reaches_the_optimizer_and_bad_ones_are_named(sim):
+    cfg = dict(SWAP_WRAPPER, master_weights=True, slots=2, prefetch=True, clip_grad=dict(max_norm=1.0))
+    wrapper = build_optim_wrapper(Regressor(), cfg)
+    settings = wrapper.optimizer.settings
+    assert (settings.master_weights, settings.slots, settings.prefetch) == (True, 2, True)
+    assert wrapper.clip_grad_kwargs == dict(max_norm=1.0)  # the rest goes to mmengine's wrapper
+    with pytest.raises(ValueError, match="slots"):
+        build_optim_wrapper(Regressor(), dict(SWAP_WRAPPER, slots=0))

@@ -3,7 +3,7 @@
 - ``SwapOptimWrapper`` (OPTIM_WRAPPERS): an OptimWrapper whose optimizer is wrapped in a SwapOptimizer::
 
       optim_wrapper = dict(type="SwapOptimWrapper", optimizer=dict(type="AdamW", lr=1e-3),
-                           swap_optimizer_times=16)   # also: chunk_mb, slots, resident_mb
+                           swap_optimizer_times=16)   # any SwapSettings knob: chunk_mb, master_weights, ...
 
 - ``SwapAmpOptimWrapper`` (OPTIM_WRAPPERS): the same over AmpOptimWrapper (loss scaling, fp32 states swapped).
 - ``SwapOptimWrapperConstructor`` (OPTIM_WRAPPER_CONSTRUCTORS): on an Ascend NPU without full-precision
@@ -31,12 +31,13 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from loguru import logger
 
 from swapopt import SwapConfig, SwapOptimizer
+from swapopt.config import KNOBS, settings_from
 
 try:
     from mmengine.optim import AmpOptimWrapper, DefaultOptimWrapperConstructor, OptimWrapper, OptimWrapperDict
@@ -49,30 +50,31 @@ except ImportError as err:  # pragma: no cover - exercised by a test that hides 
     ) from err
 
 
-def _swap(optimizer: torch.optim.Optimizer, swap_optimizer_times: int, chunk_mb: Optional[float], slots: int,
-          resident_mb: float) -> torch.optim.Optimizer:
-    return SwapConfig(swap_optimizer=True, swap_optimizer_times=swap_optimizer_times, chunk_mb=chunk_mb,
-                      slots=slots, resident_mb=resident_mb).wrap(optimizer)
+def _swap(optimizer: torch.optim.Optimizer, kwargs: dict[str, Any]) -> torch.optim.Optimizer:
+    """Wrap ``optimizer`` with the swap knobs found in ``kwargs`` (removed from it: the rest go to mmengine's
+    wrapper). The knobs are SwapSettings' own, checked there with errors naming the knob."""
+    knobs = {k: kwargs.pop(k) for k in KNOBS if k in kwargs}
+    return SwapConfig(swap_optimizer=True, **settings_from(knobs).model_dump()).wrap(optimizer)
 
 
 @OPTIM_WRAPPERS.register_module()
 class SwapOptimWrapper(OptimWrapper):
-    """OptimWrapper over ``SwapOptimizer(optimizer)``; other keyword arguments go to OptimWrapper
-    (``clip_grad``, ``accumulative_counts``)."""
+    """OptimWrapper over ``SwapOptimizer(optimizer)``. Keyword arguments that are swapopt knobs
+    (``swapopt.SwapSettings``: ``swap_optimizer_times``, ``chunk_mb``, ``slots``, ``resident_mb``,
+    ``master_weights``, ...) configure the swap; the others go to OptimWrapper (``clip_grad``,
+    ``accumulative_counts``)."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, swap_optimizer_times: int = 16,
-                 chunk_mb: Optional[float] = None, slots: int = 3, resident_mb: float = 0.0, **kwargs) -> None:
-        super().__init__(optimizer=_swap(optimizer, swap_optimizer_times, chunk_mb, slots, resident_mb), **kwargs)
+    def __init__(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> None:
+        super().__init__(optimizer=_swap(optimizer, kwargs), **kwargs)
 
 
 @OPTIM_WRAPPERS.register_module()
 class SwapAmpOptimWrapper(AmpOptimWrapper):
     """AmpOptimWrapper over ``SwapOptimizer(optimizer)``: GradScaler unscales the grads, the swapped fp32
-    states stream through the device during step()."""
+    states stream through the device during step(). Knobs as for SwapOptimWrapper."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, swap_optimizer_times: int = 16,
-                 chunk_mb: Optional[float] = None, slots: int = 3, resident_mb: float = 0.0, **kwargs) -> None:
-        super().__init__(optimizer=_swap(optimizer, swap_optimizer_times, chunk_mb, slots, resident_mb), **kwargs)
+    def __init__(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> None:
+        super().__init__(optimizer=_swap(optimizer, kwargs), **kwargs)
 
 
 @OPTIM_WRAPPER_CONSTRUCTORS.register_module()
