@@ -34,6 +34,11 @@ __all__ = [
     "alloc_storage",
     "free_storage",
     "get_device",
+    "host_available_bytes",
+    "host_clock",
+    "host_empty",
+    "host_held_bytes",
+    "pin_host",
     "get_torch_device_module",
     "is_host_tensor",
     "is_simulated",
@@ -199,6 +204,176 @@ def pinned_empty(size: Any, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return torch.empty(size, dtype=dtype, device="cpu", pin_memory=get_device() in ("cuda", "npu"))
 
 
+# Note [host memory at its true size]: torch's CUDA caching host allocator (CachingHostAllocator, behind
+# pin_memory=True) asks the driver for the next power of two of each request and keeps freed blocks cached
+# until empty_cache; on a 125 GiB H100 host a 24 GiB + 4 KiB buffer took 32 GiB and pinned at 1.5-2 GiB/s on
+# one thread (bench/results/cuda-h100-2026-11-26-pinned.txt). Large buffers (swapopt's arenas) are therefore
+# allocated here with mmap, at their size in whole pages, and page-locked with cudaHostRegister, which
+# torch's pinned checks (is_pinned: cudaPointerGetAttributes) and non_blocking copies (cudaMemcpyAsync) treat
+# like cudaHostAlloc memory. Pages are faulted in from several threads first (a single cudaHostRegister would
+# fault them on one thread), and buffers are registered in parallel, one cudaHostRegister each, so a copy never
+# spans two registrations. torch's binding of cudaHostRegister releases the GIL
+# (torch/csrc/cuda/shared/cudart.cpp, py::gil_scoped_release). The registration is dropped (after a device
+# synchronize: copies may still read it) when the buffer's last view dies, before its pages are unmapped.
+# torch_npu exposes no host-register call to Python (AscendCL's aclrtHostRegister is C only), so on NPU the
+# buffers come from torch_npu's pinned allocator; with PYTORCH_NPU_ALLOC_CONF=pin_memory_expandable_segments:True
+# it rounds to 512 bytes instead of a power of two (npu_pinned_bytes), which docs/optimizer.md asks for.
+REGISTER_MIN = 1 << 20  # smaller buffers: the caching host allocator (its rounding wastes less than this each)
+_PAGE = 4096
+
+
+def _pin_threads() -> int:
+    return max(1, min(os.cpu_count() or 1, 16))
+
+
+def _touch(flat: torch.Tensor, threads: int) -> None:
+    """Fault in the pages of ``flat`` from ``threads`` threads, keeping its bytes (one byte per page rewritten
+    as itself; torch's kernels release the GIL), so that registration finds them present."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    n = flat.numel()
+    step = -(-max(-(-n // threads), 64 << 20) // _PAGE) * _PAGE
+    parts = [flat[i : i + step : _PAGE] for i in range(0, n, step)]
+    if len(parts) == 1:
+        parts[0].add_(0)
+        return
+    with ThreadPoolExecutor(min(threads, len(parts))) as pool:
+        list(pool.map(lambda part: part.add_(0), parts))
+
+
+def _unregister(ptr: int) -> None:
+    try:
+        torch.cuda.synchronize()  # no copy may still read or write the pages being unlocked
+        torch.cuda.cudart().cudaHostUnregister(ptr)
+    except Exception:  # noqa: BLE001 - interpreter shutdown: the process exit releases the pages anyway
+        pass
+
+
+# host_empty buffers by address: [pointer, size, registered]; the entry goes when the buffer dies
+_MAPPED: dict[int, list[Any]] = {}
+
+
+def _release_mapped(ptr: int) -> None:
+    entry = _MAPPED.pop(ptr, None)
+    if entry is not None and entry[2]:
+        _unregister(ptr)
+
+
+def _cuda_host(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of anonymous mmap memory as a uint8 CPU tensor, not yet registered (pin_host does that)."""
+    import mmap
+
+    import numpy as np
+
+    size = max(-(-nbytes // _PAGE) * _PAGE, _PAGE)
+    region = mmap.mmap(-1, size)  # page-aligned, as cudaHostRegister asks; pages committed when touched
+    array = np.frombuffer(region, dtype=np.uint8)
+    t = torch.from_numpy(array)  # holds ``array``, whose base is ``region``: the pages live while a view does
+    ptr = t.data_ptr()
+    _MAPPED[ptr] = [ptr, size, False]
+    # numpy clears an array's weak references before it lets go of its base: the registration is dropped
+    # before munmap
+    weakref.finalize(array, _release_mapped, ptr)
+    return t[:nbytes]
+
+
+def host_empty(nbytes: int, pin: bool = True, exact: bool = False) -> torch.Tensor:
+    """A uint8 host buffer of ``nbytes`` for async copies that takes ``nbytes`` of host RAM (whole pages), not
+    the power of two the caching host allocators take (Note [host memory at its true size]). ``pin=False``
+    leaves it pageable until ``pin_host`` registers it (with others, in parallel); buffers under REGISTER_MIN
+    (unless ``exact``: swapopt's arenas, which are few) and NPU buffers come pinned from the caching host
+    allocator."""
+    nbytes = int(nbytes)
+    if not _registers(nbytes, exact):
+        return pinned_empty((nbytes,), dtype=torch.uint8)
+    simulated = _simulator()
+    if simulated is not None:
+        return simulated.registered_empty(nbytes, pin=pin)  # pinned by the modeled host's threads
+    t = _cuda_host(nbytes)
+    if pin:
+        pin_host([t])
+    return t
+
+
+def _registers(nbytes: int, exact: bool = False) -> bool:
+    """host_empty allocates and registers ``nbytes`` itself (CUDA and the simulator's cuda flavour, from
+    REGISTER_MIN on, or any size but 0 when ``exact``), rather than taking them from the caching host
+    allocator."""
+    if nbytes < (1 if exact else REGISTER_MIN):
+        return False
+    simulated = _simulator()
+    if simulated is not None:
+        return simulated.flavour == "cuda"
+    return get_device() == "cuda"
+
+
+def host_clock() -> float:
+    """Seconds on the host's clock: the simulator's modeled host time, else the wall clock."""
+    import time
+
+    simulated = _simulator()
+    return simulated.now_us() / 1e6 if simulated is not None else time.perf_counter()
+
+
+def pin_host(buffers: list[torch.Tensor], threads: int | None = None) -> None:
+    """Page-lock host_empty(..., pin=False) buffers: their pages touched from ``threads`` threads, then one
+    cudaHostRegister per buffer, the buffers in parallel (host_clock tells how long it took)."""
+    threads = threads or _pin_threads()
+    simulated = _simulator()
+    if simulated is not None:
+        simulated.pin_registered(buffers)  # modeled time: the simulated host's threads, not this machine's
+        return
+    todo = [b for b in buffers if _MAPPED.get(b.untyped_storage().data_ptr(), (0, 0, True))[2] is False]
+    if get_device() != "cuda" or not todo:
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    for b in todo:
+        _touch(b, threads)
+    cudart = torch.cuda.cudart()
+
+    def register(b: torch.Tensor) -> None:
+        entry = _MAPPED.get(b.untyped_storage().data_ptr())
+        if entry is None or entry[2]:
+            return
+        err = cudart.cudaHostRegister(entry[0], entry[1], 0)
+        if int(err) != 0:
+            raise torch.OutOfMemoryError(
+                f"CUDA error: cudaHostRegister of {entry[1] / 2**30:.2f} GiB of host memory failed ({err}): the "
+                "host cannot page-lock that much (see swapopt.HostMemoryError's knobs, or ulimit -l)"
+            )
+        entry[2] = True
+
+    with ThreadPoolExecutor(min(threads, len(todo))) as pool:
+        list(pool.map(register, todo))
+
+
+def host_available_bytes() -> int | None:
+    """Host RAM free for pinned memory: the simulated host's capacity less what is pinned there; on hardware
+    MemAvailable of /proc/meminfo (None where there is none)."""
+    simulated = _simulator()
+    if simulated is not None:
+        return simulated.host_available()
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def host_held_bytes(nbytes: int, pinned: bool = False, exact: bool = False) -> int:
+    """Host RAM a buffer of ``nbytes`` takes: host_empty's (whole pages; on NPU and under REGISTER_MIN unless
+    ``exact``, what the caching host allocator takes), or with ``pinned`` pinned_empty's (pinned_bytes)."""
+    if nbytes <= 0:
+        return 0
+    if pinned or not _registers(nbytes, exact):
+        return pinned_bytes(nbytes)
+    return -(-int(nbytes) // _PAGE) * _PAGE
+
+
 def npu_pinned_bytes(nbytes: int, conf: str | None = None) -> int:
     """Host bytes torch_npu's pinned host allocator takes for a request of ``nbytes``. By default it rounds up
     to a power of two (v2.6.0 csrc/core/npu/CachingHostAllocator.cpp:138 ``PowerOf2Ceil``; v2.7.1 keeps
@@ -215,9 +390,15 @@ def npu_pinned_bytes(nbytes: int, conf: str | None = None) -> int:
 
 
 def pinned_bytes(nbytes: int) -> int:
-    """Host memory a pinned allocation of ``nbytes`` takes on this device (npu_pinned_bytes on NPU, the
-    simulated npu flavour included; the request itself elsewhere)."""
-    return npu_pinned_bytes(nbytes) if get_device() == "npu" else max(int(nbytes), 0)
+    """Host memory a pinned allocation of ``nbytes`` (pinned_empty, pin_memory=True) takes on this device:
+    npu_pinned_bytes on NPU, the next power of two on CUDA (torch's CachingHostAllocator; the simulator's
+    flavours alike), the request itself on CPU."""
+    dev = get_device()
+    if dev == "npu":
+        return npu_pinned_bytes(nbytes)
+    if dev == "cuda" and nbytes > 0:
+        return 1 << (int(nbytes) - 1).bit_length()
+    return max(int(nbytes), 0)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,7 @@ from loguru import logger
 
 from swapopt.classes import SwapAdam, SwapAdamW, swap_class
 from swapopt.config import SwapConfig
+from swapopt.hostmem import HostMemoryError
 from swapopt.offload import offload, offloaded, onload, put_optimizer_to_device
 from swapopt.operate import SwapOptimizerOperate
 from swapopt.optimizer import SwapOptimizer
@@ -24,6 +25,7 @@ from swapopt.perparam import register_per_param
 logger.disable("swapopt")
 
 __all__ = [
+    "HostMemoryError",
     "SwapAdam",
     "SwapAdamW",
     "SwapConfig",

@@ -9,6 +9,13 @@ moved by one H2D and one D2H copy of raw bytes instead of one copy per (param, s
 Only storages allocated here are merged, and only regions that touch: a run's copy never writes a byte
 that belongs to no state of the chunk. Any other host tensor (a state the user replaced, say) keeps a
 copy of its own.
+
+Note [arena memory]: an arena takes its size in host RAM (device.host_empty: allocated by swapopt and
+registered, where pin_memory=True would take the next power of two), is allocated unpinned and filled, then
+pinned together with the other arenas of the same re-layout or first step (``pin_pending``: one registration
+per arena, in parallel). Arenas are at most ``arena_limit`` bytes (1/256 of the states laid out, at least
+64 MiB), so that moving states into new arenas never holds more than about one arena twice: a re-plan lets
+go of each old arena as soon as no state lies in it (swapopt.layout).
 """
 
 from __future__ import annotations
@@ -26,16 +33,26 @@ def itemsize(dtype: torch.dtype) -> int:
     return dtype.itemsize
 
 
-def pack(items: Sequence[tuple[int, int]]) -> list[tuple[list[int], list[int], int]]:
+ARENA_MIN = 64 << 20  # arena_limit's floor: smaller jobs keep one arena per group of chunks
+ARENA_SHARE = 256  # arena_limit: at most this share of the states laid out
+
+
+def arena_limit(total: int) -> int:
+    """The most bytes one arena packs (Note [arena memory]), for ``total`` bytes of states laid out."""
+    return max(ARENA_MIN, -(-int(total) // ARENA_SHARE))
+
+
+def pack(items: Sequence[tuple[int, int]], limit: int | None = None) -> list[tuple[list[int], list[int], int]]:
     """Byte offsets of ``items`` (nbytes, itemsize), packed in order without padding (pinned bytes stay
-    equal to state bytes); an item whose itemsize does not divide the bytes before it starts a new arena.
+    equal to state bytes); an item whose itemsize does not divide the bytes before it starts a new arena, and
+    so does one that would take an arena past ``limit`` bytes (Note [arena memory]).
     Per arena: the indices of its items, their offsets and its size."""
     arenas: list[tuple[list[int], list[int], int]] = []
     members: list[int] = []
     offsets: list[int] = []
     end = 0
     for i, (nbytes, size) in enumerate(items):
-        if end % size:
+        if end % size or (limit is not None and end and end + nbytes > limit):
             arenas.append((members, offsets, end))
             members, offsets, end = [], [], 0
         members.append(i)
@@ -63,11 +80,35 @@ class Arenas:
         # Held strongly, so an address here is never reused by another allocation while it is listed;
         # prune() lets go of arenas no state uses any more.
         self._bases: dict[int, torch.Tensor] = {}
+        self._pending: list[torch.Tensor] = []  # allocated, not yet pinned (pin_pending)
+        self.pin_seconds = 0.0  # host time spent pinning arenas, all told
+        self.pinned_total = 0  # bytes pinned, all told
 
     def allocate(self, nbytes: int) -> torch.Tensor:
-        base = device.pinned_empty((nbytes,), dtype=torch.uint8)
+        """An arena of ``nbytes`` taking that much host RAM, pageable until pin_pending (Note [arena memory])."""
+        base = device.host_empty(nbytes, pin=False, exact=True)
         self._bases[base.untyped_storage().data_ptr()] = base
+        self._pending.append(base)
         return base
+
+    def pin_also(self, hosts: Sequence[torch.Tensor]) -> None:
+        """Pin whichever of ``hosts`` (host_empty buffers made with pin=False, outside the arenas) is not yet;
+        the time counts with the arenas'."""
+        start = device.host_clock()
+        device.pin_host(list(hosts))
+        self.pin_seconds += device.host_clock() - start
+
+    def pin_pending(self) -> float:
+        """Pin the arenas allocated since the last call, together; the seconds it took."""
+        if not self._pending:
+            return 0.0
+        pending, self._pending = self._pending, []
+        start = device.host_clock()
+        device.pin_host(pending)
+        took = device.host_clock() - start
+        self.pin_seconds += took
+        self.pinned_total += sum(b.nbytes for b in pending)
+        return took
 
     def place(self, base: torch.Tensor, offset: int, ref: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """A state of ``dtype`` with ``ref``'s (host-local) shape and dense layout at ``offset`` in ``base``."""
@@ -98,15 +139,17 @@ class Arenas:
         return sum(b.nbytes for b in self._bases.values())
 
     def pinned_bytes(self) -> int:
-        """Host bytes the arenas take: torch_npu's default host allocator rounds each allocation up to a
-        power of two (device.npu_pinned_bytes), so on NPU this can be nearly twice ``nbytes()``."""
-        return sum(device.pinned_bytes(b.nbytes) for b in self._bases.values())
+        """Host bytes the arenas take (device.host_held_bytes): their size in whole pages; on NPU, where they
+        come from torch_npu's pinned allocator, rounded up to a power of two unless
+        PYTORCH_NPU_ALLOC_CONF=pin_memory_expandable_segments:True (device.npu_pinned_bytes)."""
+        return sum(device.host_held_bytes(b.nbytes, exact=True) for b in self._bases.values())
 
     def prune(self, hosts: Sequence[torch.Tensor]) -> None:
         """Forget the arenas none of ``hosts`` (the host-local states in use) lies in."""
         live = {t.untyped_storage().data_ptr() for t in hosts}
         for ptr in [p for p in self._bases if p not in live]:
             del self._bases[ptr]
+        self._pending = [b for b in self._pending if b.untyped_storage().data_ptr() in self._bases]
 
     def __len__(self) -> int:
         return len(self._bases)

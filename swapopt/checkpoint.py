@@ -9,6 +9,7 @@ pinned tensors for states that have none yet), after the whole state dict has be
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections import defaultdict
 from copy import deepcopy
 from dataclasses import dataclass
@@ -23,8 +24,23 @@ from swapopt import hoststate, internals, statespec
 from swapopt.hoststate import ELEMENTWISE, is_dtensor
 from swapopt.masters import MASTER_KEY
 
+# Note [state dict aliases]
+# torch's Optimizer.state_dict() returns references to the live state tensors, so a state dict taken before
+# a step and saved after it holds that step's values (torch.save of a CUDA tensor copies it on the stream,
+# after the step's kernels). swapopt's swapped states are host memory that the next step's swap-outs write
+# asynchronously: a state dict is a set of aliases of that memory (each with a storage of its own bytes, so
+# that torch.save, DCP and async staging write only those), and reading one while the copies are in flight
+# would mix two steps. So while any alias handed out by state_dict() is alive (a view of one counts), each
+# step ends by waiting for its own swap-outs: the state dict then holds that step's values, as torch's does,
+# whatever reads it (torch.save, DCP, tolist, numpy). A step with none alive waits for nothing. Copies would
+# cost host memory equal to the states; refusing would break the common `sd = opt.state_dict()` kept in a
+# loop variable.
+_HANDED_OUT: weakref.WeakKeyDictionary[Any, list[weakref.ref]] = weakref.WeakKeyDictionary()
+
+
 def state_dict(opt) -> dict[str, Any]:
-    """The inner optimizer's state dict, its swapped states being the host tensors themselves.
+    """The inner optimizer's state dict, its swapped states (and masters) being aliases of the host states
+    (Note [state dict aliases]): no copy is made, and the state dict follows the optimizer as torch's does.
 
     For DTensor params the states are DTensors over the host shards (the param's mesh, placements, global
     shape and stride), which DCP saves and loads in place.
@@ -36,20 +52,73 @@ def state_dict(opt) -> dict[str, Any]:
     # Between steps the swapped states are the pinned host tensors (DTensors over host shards for DTensor
     # params), so the inner optimizer's own state_dict already has the right format and copies nothing.
     sd = opt.optimizer.state_dict()
-    arenas = opt._layout.arenas
     masters = opt._ctx.masters
-    if len(arenas) or masters.ready:  # new dicts: the inner's state_dict shares the per-param ones
-        sd["state"] = {i: {k: arenas.own_bytes(v) for k, v in st.items()} for i, st in sd["state"].items()}
+    # Without an accelerator the states are stepped in place, synchronously: torch's own references will do.
+    swapped = opt._ctx.device != "cpu"
+    handed = _handed_out(opt) if swapped else []
+    params = dict(_indexed_params(opt))
+    if swapped or masters.ready:  # new dicts: the inner's state_dict shares the per-param ones
+        sd["state"] = {
+            i: {k: _alias(v, handed) if swapped and _swapped(params.get(i), k, v) else v for k, v in st.items()}
+            for i, st in sd["state"].items()
+        }
     if masters.ready:
         # Note [master weights]: each master that holds a value goes with its param's state, in host memory.
-        for i, p in _indexed_params(opt):
+        for i, p in params.items():
             if p in masters.ready:
-                sd["state"].setdefault(i, {})[MASTER_KEY] = arenas.own_bytes(masters.get(p))
+                master = masters.get(p)
+                value = _alias(master, handed) if swapped and device.is_host_tensor(master) else master
+                sd["state"].setdefault(i, {})[MASTER_KEY] = value
     for hook in internals.state_dict_hooks(opt, "state_dict_post"):
         result = hook(opt, sd)
         if result is not None:
             sd = result
     return sd
+
+
+def after_step(opt) -> None:
+    """The end of a swapped step: while a state dict's aliases are alive, wait for this step's swap-outs
+    (Note [state dict aliases])."""
+    refs = _HANDED_OUT.get(opt)
+    if not refs:
+        return
+    live = [r for r in refs if r() is not None]
+    if live:
+        opt.wait_for_swap_out()
+    refs[:] = live
+
+
+def _handed_out(opt) -> list[weakref.ref]:
+    refs = _HANDED_OUT.get(opt)
+    if refs is None:
+        refs = _HANDED_OUT[opt] = []
+    refs[:] = [r for r in refs if r() is not None]
+    return refs
+
+
+def _swapped(p: torch.Tensor | None, key: Any, value: Any) -> bool:
+    """A swapped state in host memory (resident ones and device step scalars are device tensors, which a
+    reader copies on the stream)."""
+    return (
+        p is not None and isinstance(value, torch.Tensor) and hoststate.is_swapped_state(p, key, value)
+        and device.is_host_tensor(value)
+    )
+
+
+def _alias(value: torch.Tensor, handed: list[weakref.ref]) -> torch.Tensor:
+    """The same host memory as ``value`` (a DTensor: its local shard), seen through a storage of exactly its
+    bytes, remembered as handed out (Note [state dict aliases])."""
+    loc = hoststate.local(value)
+    if loc.numel() == 0 or loc.layout is not torch.strided:
+        return value
+    first = loc.storage_offset()
+    span = 1 + sum((size - 1) * stride for size, stride in zip(loc.shape, loc.stride()))
+    raw = loc.as_strided((span,), (1,), first).view(torch.uint8)
+    # numpy() of a slice of the host memory yields a buffer of exactly these bytes (the array keeps the state's
+    # storage alive) and torch.from_numpy a storage of that size: no copy.
+    own = torch.from_numpy(raw.numpy()).view(loc.dtype).as_strided(tuple(loc.shape), tuple(loc.stride()), 0)
+    handed.append(weakref.ref(own.untyped_storage()))
+    return hoststate.wrap_like(value, own) if hoststate.is_dtensor(value) else own
 
 
 @dataclass

@@ -89,10 +89,14 @@ def flat_view(t: torch.Tensor) -> torch.Tensor:
     return t.as_strided((t.numel(),), (1,), t.storage_offset())
 
 
-def pinned_like(shape: tuple[int, ...], strides: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """Pinned host memory with the given shape and dense strides."""
+def pinned_like(
+    shape: tuple[int, ...], strides: tuple[int, ...], dtype: torch.dtype, pin: bool = True
+) -> torch.Tensor:
+    """Pinned host memory with the given shape and dense strides, taking its size in host RAM (device.host_empty:
+    not the power of two of the caching host allocator, Note [host memory at its true size] in device).
+    ``pin=False``: pinned later by device.pin_host (a master the first step moves into an arena, say)."""
     numel = math.prod(shape)
-    return device.pinned_empty((numel,), dtype=dtype).as_strided(shape, strides)
+    return device.host_empty(numel * dtype.itemsize, pin=pin).view(dtype).as_strided(shape, strides)
 
 
 def gather_range(dst: torch.Tensor, src: torch.Tensor, start: int, stop: int) -> None:
@@ -134,11 +138,11 @@ def pinned_empty_like(value: torch.Tensor, dtype: torch.dtype | None = None) -> 
     return wrap_like(value, pinned_like(tuple(src.shape), layout_strides(src), dtype or src.dtype))
 
 
-def new_host_like(param: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+def new_host_like(param: torch.Tensor, dtype: torch.dtype | None = None, pin: bool = True) -> torch.Tensor:
     """Pinned host memory for one param-shaped state of ``param`` with the param's dense layout, wrapped
-    like the param (a DTensor over the host shard for DTensor params)."""
+    like the param (a DTensor over the host shard for DTensor params); ``pin``: see pinned_like."""
     loc = local(param)
-    return wrap_like(param, pinned_like(tuple(loc.shape), layout_strides(loc), dtype or loc.dtype))
+    return wrap_like(param, pinned_like(tuple(loc.shape), layout_strides(loc), dtype or loc.dtype, pin))
 
 
 def is_swapped_state(param: torch.Tensor, key: str, value: Any) -> bool:

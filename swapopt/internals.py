@@ -230,3 +230,27 @@ def counting_ops() -> Iterator[list[int]]:
 
     with _Counter():
         yield count
+
+
+# Note [direct step] (swapopt.direct): torch.optim.Adam.step is _init_group (private: it gathers each param's
+# grad and states into lists) followed by the functional torch.optim.adam.adam over those lists. A direct
+# step keeps the lists a chunk's _init_group would gather and makes the same functional call itself; it
+# checks that the optimizer's _init_group is Adam's own, so that a subclass overriding it steps as before.
+def adam_functional(*args: Any, **kwargs: Any) -> None:
+    """torch.optim.adam.adam, the functional Adam.step calls (Note [direct step])."""
+    return sys.modules["torch.optim.adam"].adam(*args, **kwargs)
+
+
+def adam_functional_keywords() -> frozenset[str]:
+    """The keyword parameters of torch.optim.adam.adam in this torch (they changed across 2.6-2.13)."""
+    import inspect
+
+    return frozenset(inspect.signature(sys.modules["torch.optim.adam"].adam).parameters)
+
+
+def adam_init_group(cls: type) -> Any:
+    """The _init_group a class of the Adam family runs (Note [direct step])."""
+    return getattr(cls, "_init_group", None)
+
+
+ADAM_INIT_GROUP = torch.optim.Adam._init_group

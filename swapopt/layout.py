@@ -18,11 +18,12 @@ import torch
 from loguru import logger
 
 import device
-from swapopt import hoststate, perparam
-from swapopt.arena import Arenas, Run, itemsize, pack
+from swapopt import hostmem, hoststate, perparam
+from swapopt.arena import Arenas, Run, arena_limit, itemsize, pack
 from swapopt.context import StepContext
 from swapopt.hoststate import is_swapped_state, local, new_host_like, wrap_like
 from swapopt.masters import MASTER
+from swapopt.costs import link_costs
 from swapopt.plan import DEFAULT_ALIGN, SLOT_ALIGN as _SLOT_ALIGN, ParamSize, Plan, make_plan
 
 MiB = 1 << 20
@@ -143,6 +144,7 @@ class HostLayout:
         # preallocate hands them out.
         self.pre_placed: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
         self.arenas = Arenas()  # pinned buffers holding states in chunk order (swapopt.arena)
+        self.arena_limit = arena_limit(0)  # the most bytes one arena packs (Note [arena memory]), set per plan
         self.split_cache: dict[torch.Tensor, tuple] = {}  # see splittable
         self.host: dict[torch.Tensor, Host] = {}
         self.prepared: Prepared | None = None
@@ -399,10 +401,12 @@ class HostLayout:
         prep = self.prepared
         if prep is not None and self.still_valid(prep, params, groups):
             return prep
+        del prep  # the old plan holds views of arenas a re-layout may empty (Note [arena memory])
         # A prefetch was made for the plan that no longer holds, and the re-plan below may move the host
         # states its copies read: drop it first (it is only a device copy of them).
         self.ctx.operate.discard_prefetch()
         masters = self.ctx.masters
+        hostmem.check_layout(self, params, groups)  # HostMemoryError before any host memory is taken
         for p in params:  # resident params keep device states: nothing to check for them
             if masters.ensure(p):  # pinned host memory for its master, filled at its first step
                 self.forget(p)
@@ -429,15 +433,18 @@ class HostLayout:
         chunk_bytes = None if knobs.chunk_mb is None else int(knobs.chunk_mb * MiB)
         # With prefetch the first chunks stream in under the backward: no ramp (Note [ramp] in swapopt.plan)
         ramp = not knobs.prefetch
-        settings = (knobs.swap_optimizer_times, chunk_bytes, int(knobs.resident_mb * MiB), DEFAULT_ALIGN, ramp)
+        # the link's costs choose between plans of the same budget (Note [chunk count from costs] in swapopt.plan)
+        costs = link_costs(self.ctx.device)
+        settings = (knobs.swap_optimizer_times, chunk_bytes, int(knobs.resident_mb * MiB), DEFAULT_ALIGN, ramp, costs)
         plan_key = (tuple(sizes), settings)
         if self.plan_cache is not None and self.plan_cache[0] == plan_key:
             # the probe gave the exact sizes: the states the first step created change nothing
             plan = self.plan_cache[1]
         else:
-            times, chunk_bytes, resident_bytes, align, ramp = settings
+            times, chunk_bytes, resident_bytes, align, ramp, costs = settings
             plan = make_plan(
-                sizes, times=times, chunk_bytes=chunk_bytes, resident_bytes=resident_bytes, align=align, ramp=ramp
+                sizes, times=times, chunk_bytes=chunk_bytes, resident_bytes=resident_bytes, align=align, ramp=ramp,
+                costs=costs,
             )
             self.plan_cache = (plan_key, plan)
         # A splittable param the plan left whole is stepped as itself, with states shaped like it: no
@@ -453,7 +460,14 @@ class HostLayout:
         for i in range(len(params)):  # a param that left the resident set goes back to the host
             if i not in plan.resident and params[i] not in self.host and self.state.get(params[i]):
                 self.cache_host(params[i], quiet=True)
+        # The old plan's regions and runs are views of the arenas a re-layout empties: let go of them first,
+        # so that each old arena is freed as soon as its states have moved (Note [arena memory])
+        self.prepared = None
+        self.arena_limit = arena_limit(sum(s.state_bytes for s in sizes))
         self.relayout(plan, params, flat, groups, gather)
+        # Masters are made unpinned (Masters.ensure): those the re-layout did not move into an arena are pinned
+        # now, before any copy reads them
+        self.arenas.pin_also([t for e in self.host.values() for t in e.locals])
         regions = [self.regions(chunk.pieces, params, flat, gather, upcast) for chunk in plan.chunks]
         slot_bytes = max((r[-1].offset + r[-1].nbytes for r in regions if r), default=0)
         last_chunk = {params[i]: k for i, k in plan.last_chunk.items()}
@@ -530,41 +544,60 @@ class HostLayout:
         while moves:  # arena by arena, so the old copies are let go of as the new ones are filled
             want = moves.pop(0)
             sizes = [_sizes(s) for _, _, s in want]
-            for members, offsets, size in pack(sizes):
-                self.move([(*want[i], offset) for i, offset in zip(members, offsets)], size)
+            for members, offsets, size in pack(sizes, self.arena_limit):
+                placed = [(*want[i], offset) for i, offset in zip(members, offsets)]
+                for i in members:  # only ``placed`` holds the old copies now: move lets go of each in turn
+                    want[i] = None  # type: ignore[call-overload]
+                self.move(placed, size)
+                self.release_emptied()
             nstates += len(want)
             nbytes += sum(n for n, _ in sizes)
+            del want
+        self.arenas.pin_pending()
         logger.debug(
             "swapopt: re-layout of {} host states ({:.2f} MiB) into chunk-ordered arenas, one host copy each",
             nstates, nbytes / MiB,
         )  # fmt: skip
 
     def packed(self, states: list[torch.Tensor]) -> bool:
-        """``states`` (host-local, in region order) already follow each other in arenas: adjacent, or a
-        misaligned dtype starting the next arena, as relayout and preallocate pack them."""
+        """``states`` (host-local, in region order) already follow each other in arenas: adjacent, or starting
+        the next arena where the one before ends (a misaligned dtype, or the arena limit), as relayout and
+        preallocate pack them."""
         for prev, cur in zip(states, states[1:]):
             if self.arenas.adjacent(prev, cur):
                 continue
             where, before = self.arenas.locate(cur), self.arenas.locate(prev)
             if where is None or before is None or where[1] != 0:
                 return False
-            if (before[1] + prev.numel() * prev.element_size()) % cur.element_size() == 0:
+            if before[1] + prev.numel() * prev.element_size() != before[0].numel():
                 return False
         return all(self.arenas.locate(s) is not None for s in states[:1])
+
+    def release_emptied(self) -> None:
+        """Let go of the arenas no state lies in any more (a re-layout moved them all out)."""
+        if len(self.arenas):
+            self.arenas.prune(
+                [t for e in self.host.values() for t in e.locals]
+                + [local(t) for st in self.pre_placed.values() for t in st.values()]
+            )
 
     def move(self, placed: list[tuple[torch.Tensor, str, torch.Tensor, int]], nbytes: int) -> None:
         """Copy the ``placed`` states into one new arena at their offsets; opt.state points at the copies."""
         if not placed:
             return
         base = self.arenas.allocate(nbytes)
-        for p, key, stored, offset in placed:
+        moved: dict[torch.Tensor, None] = {}
+        for j, (p, key, stored, offset) in enumerate(placed):
+            placed[j] = None  # type: ignore[call-overload]  # the old copy is let go of once moved (relayout)
             if isinstance(stored, _ToCome):  # room for a state the first step creates: nothing to copy
                 self.pre_placed.setdefault(p, {})[key] = self.arenas.place(base, offset, p, stored.dtype)
                 continue
             new = self.arenas.place(base, offset, stored, local(stored).dtype)
             local(new).copy_(local(stored))
             self.holder(p, key)[key] = new
-        for p in dict.fromkeys(p for p, _, s, _ in placed if not isinstance(s, _ToCome)):
+            moved[p] = None
+        del stored
+        for p in moved:
             self.cache_host(p, quiet=True)
 
     def states_to_come(self, p: torch.Tensor, gi: int, gathered: bool) -> list[tuple[str, torch.dtype]]:
@@ -638,8 +671,9 @@ class HostLayout:
                 for key, dtype, _ in probed[1]:
                     placed.append((p, key, dtype))
                     sizes.append((loc.numel() * itemsize(dtype), itemsize(dtype)))
-            for members, offsets, size in pack(sizes):
+            for members, offsets, size in pack(sizes, self.arena_limit):
                 self.place([(*placed[i], offset) for i, offset in zip(members, offsets)], size, out)
+        self.arenas.pin_pending()
         # Every param had its states: while this plan holds (same state dicts, see still_valid) none lacks any.
         prep.preallocated = not out
         return out

@@ -66,7 +66,9 @@ class Masters:
         """Give p pinned host memory for its master if it needs one and has none; whether it was created."""
         if not self.wanted(p) or p in self.host:
             return False
-        self.host[p] = {MASTER: hoststate.new_host_like(p, torch.float32)}
+        # unpinned: the first step's re-layout moves it into an arena, pinned there (HostLayout.prepare pins it
+        # where it stays)
+        self.host[p] = {MASTER: hoststate.new_host_like(p, torch.float32, pin=False)}
         self.ready.discard(p)
         return True
 

@@ -46,6 +46,8 @@ class SwapStats(BaseModel):
     # to a power of two unless PYTORCH_NPU_ALLOC_CONF=pin_memory_expandable_segments:True; swapopt.npu).
     pinned_requested_bytes: int = 0
     pinned_bytes: int = 0
+    # Host seconds spent pinning the arenas so far (Note [arena memory] in swapopt.arena; modeled on the simulator).
+    pin_seconds: float = 0.0
 
 
 def _refuse(optimizer: Any, per_param: bool) -> None:
@@ -124,6 +126,10 @@ def _claim(optimizer: torch.optim.Optimizer, wrapper: "SwapOptimizer") -> None:
     _WRAPPERS[optimizer] = weakref.ref(wrapper)
 
 
+def _has_meta_params(optimizer: torch.optim.Optimizer) -> bool:
+    return any(p.is_meta for group in optimizer.param_groups for p in group["params"])
+
+
 class SwapOptimizer(torch.optim.Optimizer):
     """Wrap ``optimizer`` so that its states stay in pinned host memory between steps.
 
@@ -186,7 +192,9 @@ class SwapOptimizer(torch.optim.Optimizer):
         _claim(optimizer, self)
         self._ready = True
         self._ctx.device = device.get_device()
-        if self._ctx.device != "cpu":
+        if self._ctx.device != "cpu" and not _has_meta_params(optimizer):
+            # Meta params have no data to swap: their states stay as torch made them, so the inner optimizer
+            # gives torch's own error or result for them when it steps (docs/optimizer.md).
             self._layout.adopt_existing()
         if self._ctx.device == "npu":  # fused kernels torch_npu lacks, foreach off on older chips (swapopt.npu)
             npu.check_optimizer(optimizer)
@@ -342,7 +350,8 @@ class SwapOptimizer(torch.optim.Optimizer):
         they are counted in ``h2d_bytes`` (once) but not timed in ``step_ms``."""
         arenas = self._layout.arenas
         stats = self._stats.model_copy(
-            update={"pinned_requested_bytes": arenas.nbytes(), "pinned_bytes": arenas.pinned_bytes()}
+            update={"pinned_requested_bytes": arenas.nbytes(), "pinned_bytes": arenas.pinned_bytes(),
+                    "pin_seconds": arenas.pin_seconds}
         )
         if stats.steps and wait:
             stats.step_ms = self.operate.step_ms()
@@ -448,6 +457,7 @@ class SwapOptimizer(torch.optim.Optimizer):
                     self._step_fn(inner, *args, **kwargs)
             else:
                 self._swap_step(args, kwargs)
+                checkpoint.after_step(self)  # a live state dict gets this step's values (Note [state dict aliases])
         internals.run_step_post_hooks(inner, args, kwargs)
         internals.mark_scheduler_step(inner)
         return loss
@@ -460,8 +470,9 @@ class SwapOptimizer(torch.optim.Optimizer):
         if self.operate.overlap:  # stream the first layers first (swapopt.overlap)
             params, groups = self._forward_waits.order(params, groups)
         if in_place:
-            if "host" not in self._ctx.warned:
-                n = sum(len(ps) for ps in in_place.values())
+            # Meta params (no data) are left to torch's own error or result, not reported as host memory.
+            n = sum(not p.is_meta for ps in in_place.values() for p in ps)
+            if "host" not in self._ctx.warned and n:
                 self._ctx.warn_once(
                     "host",
                     f"swapopt: {n} param(s) are in host memory, not on the {self._ctx.device} device, so their states "
@@ -500,8 +511,10 @@ class SwapOptimizer(torch.optim.Optimizer):
             if self._ctx.device == "npu":
                 npu.check_pinned(layout.arenas.nbytes(), layout.arenas.pinned_bytes())
             logger.info(
-                "swapopt step 1: {} chunks, H2D {:.1f} MiB, D2H {:.1f} MiB, staging {:.1f} MiB, {} resident params",
+                "swapopt step 1: {} chunks, H2D {:.1f} MiB, D2H {:.1f} MiB, staging {:.1f} MiB, {} resident params, "
+                "{:.1f} MiB of host memory pinned in {:.2f} s",
                 n, run.h2d / MiB, run.d2h / MiB, op.peak_staging_bytes / MiB, len(prep.resident),
+                layout.arenas.pinned_total / MiB, layout.arenas.pin_seconds,
             )  # fmt: skip
 
     def _snapshot_hyper(self, groups: Iterable[int]) -> None:

@@ -32,10 +32,11 @@ from typing import Any, Iterable
 import torch
 
 import device
-from swapopt import hoststate, internals, recovery
+from swapopt import direct, hoststate, internals, recovery
 from swapopt.arena import itemsize
 from swapopt.hoststate import is_swapped_state, local, new_host_like, wrap_like
 from swapopt.context import StepContext
+from swapopt.direct import DirectStep
 from swapopt.layout import GRAD, HostLayout, Prepared, Region, same_objects
 from swapopt.masters import MASTER
 from swapopt.operate import step_range
@@ -213,12 +214,18 @@ class ChunkInputs:
             and set(moved) <= prep.covered[k]
         )
         self.kept: tuple | None = None  # see keep_states
+        self.direct: DirectStep | None = None  # the kept dicts' lists for a direct step (Note [direct step])
+        self.direct_for: dict | None = None  # the kept dicts those lists were gathered from
 
-    def keep_states(self, chunk_state: dict, handed: tuple, views: Any) -> None:
+    def keep_states(self, chunk_state: dict, handed: tuple, views: Any, direct_ok: bool = False) -> None:
         """A simple chunk's update left every state dict as handed (StepRun.stepped_in_place): keep the dicts
         for the next step. Each holds the slot views (fixed per plan, Note [persistent slots]) and the
-        param's own scalar states."""
+        param's own scalar states. ``direct_ok``: the inner step has a direct form (swapopt.direct), whose
+        lists are gathered from the kept dicts once, here."""
         if len(chunk_state) == len(self.targets):  # a param without state: built afresh each step
+            if self.direct_for is not chunk_state:
+                self.direct = DirectStep.build(self.members, self.groups, chunk_state) if direct_ok else None
+                self.direct_for = chunk_state
             self.kept = (chunk_state, handed, views)
 
     def take_states(self, views: Any, states_held: bool) -> tuple[dict, tuple] | None:
@@ -338,6 +345,7 @@ class StepRun:
         self.h2d = 0
         self.d2h = 0
         self.typed: dict[tuple[int, torch.dtype], torch.Tensor] = {}  # see region_view
+        self.direct_ok = not kwargs and direct.supported(ctx.optimizer, ctx.step_fn)  # Note [direct step]
 
     def run(self) -> None:
         op, prep = self.op, self.prep
@@ -572,13 +580,15 @@ class StepRun:
             groups = ci.refresh(self.ctx)
             progress["scalars"] = self.snapshots[k]
             progress["stage"] = ("update", k)
-            run_groups(self.ctx, ci.order, groups, chunk_state, self.kwargs)
+            fast = ci.direct if self.direct_ok and kept is not None and ci.direct_for is chunk_state else None
+            if fast is None or not fast.run(self.ctx.optimizer, groups):  # Note [direct step]
+                run_groups(self.ctx, ci.order, groups, chunk_state, self.kwargs)
             ci.unbind()  # the update is issued: the cached views let go of this step's grads
             progress["stage"] = ("output", k)
             progress["chunk"] = (targets, chunk_state, views)
             if handed is not None and self.stepped_in_place(chunk_state, handed):
                 copies, hold, finals = list(views.runs), [], []
-                ci.keep_states(chunk_state, handed, views)
+                ci.keep_states(chunk_state, handed, views, self.direct_ok)
             else:
                 copies, hold, finals = self.chunk_output(k, targets, chunk_state, views)
             # a run also moves padding: count the bytes of the states it carries

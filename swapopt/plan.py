@@ -35,6 +35,39 @@ RAMP = 3
 RAMP_MIN_BYTES = 512 << 10
 RAMP_MIN_CHUNKS = 8
 
+# Note [chunk count from costs]: ``swap_optimizer_times`` (or ``chunk_mb``) bounds the bytes of a chunk, and so
+# the staging memory, (slots + 1) x chunk. Within that bound the planner has choices that change the step's
+# time but not its memory: whether to ramp the first chunks up and the last ones down (Note [ramp]), and
+# whether to keep params whole with extra chunks or cut them. Each costs chunks or copies, and each chunk and
+# copy costs time that moves no bytes: the link's latency per copy, each direction, and the host's time to issue
+# a chunk (its launches and Python). Given the device's costs (``LinkCosts``: from the simulator's preset, a
+# calibrated preset file, or the h100/910b figures, swapopt.costs), make_plan builds every plan these choices
+# allow and keeps the one whose modeled time (``estimate_us``) is least, fewest chunks on a tie:
+#     time = first swap-in alone + last swap-out alone
+#            + max(per direction: copies x latency + its bytes at half the duplex rate, chunks x host per chunk)
+# So a ramp chunk whose copy is shorter than the latency and host time it adds is left out (on the H100, with
+# 15 us a copy and 60 us a chunk, ramp chunks below about 4 MiB), and a whole-param plan that needs more chunks
+# than a cut one loses to it where chunks cost more than cut copies. Without costs the rules above apply as
+# they are.
+
+
+@dataclass(frozen=True)
+class LinkCosts:
+    """What a chunk and a copy cost on the device's link (Note [chunk count from costs]). Rates in GB/s
+    (1e9 bytes/s), times in microseconds."""
+
+    copy_latency_us: float
+    h2d_gbps: float
+    d2h_gbps: float
+    duplex_gbps: float
+    host_chunk_us: float
+
+    def __post_init__(self) -> None:
+        if min(self.h2d_gbps, self.d2h_gbps, self.duplex_gbps) <= 0:
+            raise ValueError(f"link rates must be positive, got {self}")
+        if self.copy_latency_us < 0 or self.host_chunk_us < 0:
+            raise ValueError(f"latency and host time must be >= 0, got {self}")
+
 
 @dataclass(frozen=True)
 class ParamSize:
@@ -207,6 +240,45 @@ def chunk_pieces(
     return chunks
 
 
+def _copies(chunk: Chunk, sizes: dict[int, ParamSize]) -> int:
+    """Copies each way of one chunk, as the host arena lays it out (swapopt.arena): one for the chunk, and
+    one more per state of a piece that is only part of its param (its state lies whole elsewhere)."""
+    extra = 0
+    for pc in chunk.pieces:
+        size = sizes.get(pc.index)
+        if size is not None and size.state_bytes and (pc.start > 0 or pc.stop < size.numel):
+            extra += max(size.regions, 1)
+    return 1 + extra
+
+
+def estimate_us(chunks: Sequence[Chunk], sizes: Sequence[ParamSize], costs: LinkCosts) -> float:
+    """Modeled time of a step over ``chunks`` on a link with ``costs`` (Note [chunk count from costs])."""
+    if not chunks:
+        return 0.0
+    by_index = {s.index: s for s in sizes}
+    copies = sum(_copies(c, by_index) for c in chunks)
+    nbytes = sum(c.nbytes for c in chunks)
+    half = costs.duplex_gbps * 1e3 / 2  # bytes per us each direction gets with both busy
+    body = max(
+        copies * costs.copy_latency_us + nbytes / min(half, costs.h2d_gbps * 1e3, costs.d2h_gbps * 1e3),
+        len(chunks) * costs.host_chunk_us,
+    )
+    fill = chunks[0].nbytes / (costs.h2d_gbps * 1e3) + chunks[-1].nbytes / (costs.d2h_gbps * 1e3)
+    return fill + body
+
+
+def _cheapest(candidates: Sequence[list[Chunk]], sizes: Sequence[ParamSize], costs: LinkCosts) -> list[Chunk]:
+    """The candidate with the least modeled time, the fewest chunks on a tie (and the first of equals)."""
+    return min(candidates, key=lambda cs: (round(estimate_us(cs, sizes, costs), 3), len(cs)))
+
+
+def _ends(ramps: Sequence[int], tails: Sequence[int], costs: LinkCosts | None) -> list[tuple[tuple, tuple]]:
+    """The (ramp, tail) budgets to try: as given without costs; with costs, each end on and off."""
+    if costs is None:
+        return [(tuple(ramps), tuple(tails))]
+    return list(dict.fromkeys((r, t) for r in {tuple(ramps), ()} for t in {tuple(tails), ()}))
+
+
 def budget_for(total_bytes: int, times: int) -> int:
     """Bytes per chunk that split ``total_bytes`` into ``times`` chunks."""
     if times < 1:
@@ -248,6 +320,7 @@ def make_plan(
     align: int = DEFAULT_ALIGN,
     ramp: bool = True,
     tail: bool = True,
+    costs: LinkCosts | None = None,
 ) -> Plan:
     """Plan one step: resident params first, then chunks of the rest.
 
@@ -258,6 +331,8 @@ def make_plan(
     rounding from adding chunks beyond ``times``. Either way the first chunks ramp up (Note [ramp]),
     unless ``ramp`` is False (the optimizer prefetches its first chunks under the backward: there larger
     first chunks carry more of the first layers in), and the last chunks ramp down unless ``tail`` is False.
+    With ``costs`` those choices (ramp, tail, whole params or cut ones) go to the plan of least modeled time
+    (Note [chunk count from costs]); the chunk budget stays the one these rules give.
     """
     if times < 1:
         raise ValueError(f"swap_optimizer_times must be >= 1, got {times}")
@@ -271,7 +346,10 @@ def make_plan(
         ends = total >= RAMP_MIN_CHUNKS * budget
         ramps = ramp_budgets(budget) if ramp and ends else ()
         tails = tail_budgets(budget) if tail and ends else ()
-        chunks = chunk_pieces(swapped, budget, align, keep_whole=True, ramp=ramps, tail=tails)
+        options = [
+            chunk_pieces(swapped, budget, align, keep_whole=True, ramp=r, tail=t) for r, t in _ends(ramps, tails, costs)
+        ]
+        chunks = options[0] if costs is None else _cheapest(options, swapped, costs)
     else:
         # Prefer whole params (no cuts at chunk boundaries): a cut costs a copy per state and direction in
         # each chunk it spans and extra work on the failure path. Keep them whole when that costs at most a
@@ -288,10 +366,22 @@ def make_plan(
             if fewest <= math.floor(times * EXTRA_CHUNKS):
                 budget = _smallest_budget(swapped, base, limit, fewest, align, keep_whole=True)
                 keep_whole = True
+        choices = [(budget, keep_whole)]
         if not keep_whole:
-            budget = _smallest_budget(swapped, base, max(total, 1), times, align, keep_whole=False)
-        ramps = ramp_budgets(budget) if ramp and times >= RAMP_MIN_CHUNKS else ()
-        tails = tail_budgets(budget) if tail and times >= RAMP_MIN_CHUNKS else ()
-        chunks = chunk_pieces(swapped, budget, align, keep_whole=keep_whole, ramp=ramps, tail=tails)
+            choices = [(_smallest_budget(swapped, base, max(total, 1), times, align, keep_whole=False), False)]
+        elif costs is not None and budget > base:
+            # whole params cost a larger budget or extra chunks; cutting them costs copies: model both
+            choices.append((_smallest_budget(swapped, base, max(total, 1), times, align, keep_whole=False), False))
+        options = []
+        for b, whole in choices:
+            ramps = ramp_budgets(b) if ramp and times >= RAMP_MIN_CHUNKS else ()
+            tails = tail_budgets(b) if tail and times >= RAMP_MIN_CHUNKS else ()
+            for r, t in _ends(ramps, tails, costs):
+                options.append((b, chunk_pieces(swapped, b, align, keep_whole=whole, ramp=r, tail=t)))
+        if costs is None:
+            budget, chunks = options[0]
+        else:
+            chunks = _cheapest([cs for _, cs in options], swapped, costs)
+            budget = next(b for b, cs in options if cs is chunks)
     last = {p.index: k for k, c in enumerate(chunks) for p in c.pieces}
     return Plan(tuple(chunks), resident, budget, last)

@@ -35,10 +35,11 @@ from rich.text import Text
 
 from swapopt.engine.config import ConfigError, EngineConfig, load_config
 from swapopt.engine.interrupt import InterruptGuard
-from swapopt.engine.preflight import (DEVICE_ENV, DevicePlan, check_fits, check_paths, count_params, describe,
-                                      estimate, local_world_size, plan_device, slow_hint)
+from swapopt.engine.preflight import (DEVICE_ENV, DevicePlan, check_fits, check_host_memory, check_paths,
+                                      count_params, describe, estimate, local_world_size, plan_device, slow_hint)
+from swapopt.hostmem import HostMemoryError
 from swapopt.engine.resume import check_resume
-from swapopt.engine.trainer import StepMetrics, TrainEngine
+from swapopt.engine.trainer import PERIOD_MIN_STEPS, StepMetrics, TrainEngine, elapsed_ms
 
 MiB = 2**20
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for a Ctrl-C
@@ -182,6 +183,9 @@ def run(cfg: EngineConfig, console: Console, label: str = "train", modeled: bool
                    "world_size": engine.world_size, "rank": engine.rank}
         written = engine.step
         start = time.perf_counter()
+        # The step period is taken over a synchronized window from the end of the first step (which pins host
+        # memory and plans) to the end of the last, when there are enough steps for one.
+        window: tuple[int, Any] | None = None
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                    TextColumn("eta"), TimeRemainingColumn())
         with Progress(*columns, console=console, disable=not main_rank, transient=True) as progress:
@@ -206,6 +210,9 @@ def run(cfg: EngineConfig, console: Console, label: str = "train", modeled: bool
                 if logged:
                     progress.console.print(step_line(m, modeled, prefix))
                 progress.update(task, completed=engine.step)
+                if window is None and engine.step == summary["start_step"] + 1 \
+                        and tcfg.steps - engine.step >= PERIOD_MIN_STEPS:
+                    window = (engine.step, engine.synchronized_mark())
                 if saving:
                     checkpoint = state["checkpoint"] = engine.save_checkpoint()
                 if rollout:
@@ -217,6 +224,10 @@ def run(cfg: EngineConfig, console: Console, label: str = "train", modeled: bool
                         progress.console.print(
                             f"rollout after step {r['step']}: optimizer offloaded, {r['rollout_buffer_mb']:.0f} MiB "
                             f"buffer held, mem peak {_fmt_bytes(r['rollout_mem_peak_bytes'])}")
+        if window is not None:
+            first, mark = window
+            summary["period_ms"] = elapsed_ms(mark, engine.synchronized_mark()) / (engine.step - first)
+            summary["period_steps"] = (first + 1, engine.step)
         if tcfg.checkpoint_dir and not (tcfg.checkpoint_interval and engine.step % tcfg.checkpoint_interval == 0):
             checkpoint = engine.save_checkpoint()
     except KeyboardInterrupt:
@@ -246,24 +257,20 @@ def run(cfg: EngineConfig, console: Console, label: str = "train", modeled: bool
 
 def baselines(cfg: EngineConfig) -> list[tuple[str, EngineConfig]]:
     """The jobs the summary compares with, short and writing nothing: swapping off; for a job that swaps fp32
-    masters of bf16 params (master_weights), fp32 params resident and fp32 params with their states swapped,
-    which keep on the device what the masters job takes off it."""
+    masters of bf16 params (master_weights), the recipe it reproduces: the same bf16 params with their fp32 masters
+    and states on the device (optim.device_masters), not an fp32 job."""
     def variant(**optim: Any) -> EngineConfig:
         raw = cfg.model_dump()
         raw["optim"].update(optim)
         raw["train"].update(steps=cfg.train.compare_resident, checkpoint_dir=None, resume=None, metrics_path=None,
                             compare_resident=0)
         raw["rl"] = None
-        if cfg.optim.master_weights:
-            raw["model"]["dtype"] = "float32"
-            raw["optim"]["master_weights"] = False
         return EngineConfig.model_validate(raw)
 
-    resident = ("resident baseline (swap_optimizer=False)", variant(swap_optimizer=False))
     if not cfg.optim.master_weights:
-        return [resident]
-    resident = ("resident baseline (fp32 params, swap_optimizer=False)", resident[1])
-    return [resident, ("states swapped (fp32 params, master_weights=False)", variant())]
+        return [("resident baseline (swap_optimizer=False)", variant(swap_optimizer=False))]
+    return [(f"resident recipe ({cfg.model.dtype} params, fp32 masters and states on the device, "
+             "swap_optimizer=False)", variant(swap_optimizer=False, master_weights=False, device_masters=True))]
 
 
 def print_summary(console: Console, s: dict[str, Any], bases: list[tuple[str, dict[str, Any]]], plan: DevicePlan) -> None:
@@ -278,6 +285,7 @@ def print_summary(console: Console, s: dict[str, Any], bases: list[tuple[str, di
     if s["world_size"] > 1:
         mode += f", rank 0 of {s['world_size']}"
     console.print(f"peak device memory, {mode}: {_fmt_bytes(s['mem_peak_bytes'])}")
+    console.print(f"step period: {_period(s, plan)}")
     if s["swapping"] and steps:
         if plan.kind == "plain-cpu":
             console.print("optimizer traffic: none (plain CPU: no device to swap to, the optimizer stepped in place)")
@@ -293,10 +301,25 @@ def print_summary(console: Console, s: dict[str, Any], bases: list[tuple[str, di
             saved = base["mem_peak_bytes"] - s["mem_peak_bytes"]
             console.print(f"  this job saves {_fmt_bytes(saved)} of device memory against it "
                           f"({100 * saved / base['mem_peak_bytes']:.0f}% of its peak)")
-        if s["start_step"] == 0 and not s.get("master_weights"):  # the same numbers: bitwise equal losses
+        console.print(f"  step period: {_period(base, plan)}")
+        if s.get("period_ms") and base.get("period_ms"):
+            console.print(f"  this job's step period is {s['period_ms'] / base['period_ms']:.2f}x the "
+                          f"{label.split(' (')[0]}'s")
+        if s["start_step"] == 0:  # the same numbers (master_weights: the recipe it reproduces): bitwise equal losses
             n = min(len(base["losses"]), steps)
             same = s["losses"][:n] == base["losses"][:n]
             console.print(f"  losses of the first {n} steps bitwise equal to the {label.split(' (')[0]}: {same}")
+
+
+def _period(s: dict[str, Any], plan: DevicePlan) -> str:
+    """The train-step period of a run's summary, or why it has none."""
+    if not s.get("period_ms"):
+        return (f"not measured ({len(s['losses'])} steps; a period is taken over at least {PERIOD_MIN_STEPS} steps "
+                "after the first)")
+    first, last = s["period_steps"]
+    how = {"sim": "modeled", "plain-cpu": "wall clock"}.get(plan.kind, "device time")
+    return (f"{s['period_ms']:.1f} ms ({how}, steps {first}-{last}: one synchronized window, the host waiting for "
+            "every update and swap-out at both ends)")
 
 
 def _rank() -> int:
@@ -327,24 +350,11 @@ def main(argv: list[str] | None = None) -> int:
             dist.barrier()  # no rank tears the group down while a peer still talks to it
         return rc
     finally:
-        torn_down = dist.is_available() and dist.is_initialized()
-        if torn_down:
+        if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
         logger.remove(handler)
         logger.disable("swapopt")
         logger.disable("device")
-        if torn_down and argv is None and rc is not None:
-            # The process's entry point (python -m swapopt.train, swapopt-train) as a torchrun rank ends
-            # here with os._exit. A normal interpreter exit can abort the rank ("terminate called without
-            # an active exception"). A gloo worker drops its last references to a finished collective's
-            # tensors after the caller's wait() has returned, and it needs the GIL to do so. A thread that
-            # takes the GIL after Py_FinalizeEx has begun is stopped with pthread_exit. The forced unwind
-            # crosses a noexcept frame, which calls std::terminate. destroy_process_group does not join
-            # gloo's workers: ProcessGroupGloo has no shutdown(), and DTensor's caches keep the group alive.
-            # An exception still leaves normally, with its traceback.
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(rc)
 
 
 def resume_command(raw_args: list[str], checkpoint: Path) -> str:
@@ -385,15 +395,21 @@ def _preflight(cfg: EngineConfig, out: Console) -> tuple[DevicePlan, int | None]
         step_dir, resumed_step = check_resume(cfg)
         cfg.train.resume = str(step_dir)
     finished = resumed_step is not None and resumed_step >= cfg.train.steps
-    if plan.kind in ("sim", "plain-cpu") and not finished:  # device memory is host memory here
-        n_params = count_params(cfg)
-        if n_params is not None:
-            est = estimate(cfg, n_params, local_world_size(), plan)
-            check_fits(cfg, est)
-            out.print(describe(est))
-            hint = slow_hint(est)
-            if hint:
-                out.print(hint)
+    if finished:
+        return plan, resumed_step
+    n_params = count_params(cfg)
+    est = None
+    if plan.kind in ("sim", "plain-cpu") and n_params is not None:  # device memory is host memory here
+        est = estimate(cfg, n_params, local_world_size(), plan)
+        check_fits(cfg, est)  # this machine's RAM first: the job itself must fit here
+    # Pinned host memory for the swapped states (the simulated host's under the simulator):
+    # swapopt.HostMemoryError before anything is built.
+    check_host_memory(cfg, plan, n_params, local_world_size())
+    if est is not None:
+        out.print(describe(est))
+        hint = slow_hint(est)
+        if hint:
+            out.print(hint)
     return plan, resumed_step
 
 
@@ -406,7 +422,7 @@ def _main(args: argparse.Namespace, raw_args: list[str]) -> int:
         if args.resume:
             cfg.train.resume = args.resume
         plan, resumed_step = _preflight(cfg, out)
-    except ConfigError as err:
+    except (ConfigError, HostMemoryError) as err:
         return _error(console, err)
     if resumed_step is not None and resumed_step >= cfg.train.steps:
         out.print(f"nothing to do: checkpoint {cfg.train.resume} is at step {resumed_step} and train.steps is "
@@ -444,7 +460,7 @@ def _main(args: argparse.Namespace, raw_args: list[str]) -> int:
                     if main_rank:
                         console.print(f"interrupted during the {label}; training itself had finished")
                     return EXIT_INTERRUPTED
-        except ConfigError as err:  # the swap engine refused the optimizer: nothing was trained or written
+        except (ConfigError, HostMemoryError) as err:  # the swap engine refused: nothing was trained or written
             return _error(console, err)
         except Interrupted as stop:
             if main_rank:

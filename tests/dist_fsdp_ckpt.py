@@ -159,7 +159,7 @@ def main() -> None:
     # Several jobs per launch: starting processes (importing torch) costs more than the jobs themselves.
     for spec in sys.argv[1:]:
         run(spec, dist.get_rank(), dist.get_world_size())
-    end_rank()  # barrier, destroy, os._exit: a normal exit can abort the rank (see end_rank)
+    end_rank()  # barrier and destroy; the interpreter then exits normally
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 from torch import nn
@@ -63,27 +63,15 @@ def launch(script: str, world_size: int, *args: str, timeout: float = 180.0) -> 
         raise AssertionError(f"{script} {' '.join(args)} failed:\n" + "\n".join(failures))
 
 
-def end_rank() -> NoReturn:
-    """End a rank process started by ``launch``: barrier, destroy the process group, then ``os._exit(0)``.
-    Call it last in every rank script, in place of a barrier, a destroy and a normal exit.
-
-    A normal interpreter exit aborts about one launch in 28 ("terminate called without an active exception",
-    SIGABRT). A gloo worker thread drops its references to a collective's tensors only after the caller's
-    ``wait()`` has returned. Dropping a tensor that has a Python object needs the GIL, and a thread that
-    takes the GIL after ``Py_FinalizeEx`` has begun is stopped with pthread_exit. The forced unwind then
-    crosses a noexcept frame (``TensorImpl::decref_pyobject``), which calls std::terminate. Neither a
-    barrier nor ``destroy_process_group`` stops the workers first. ProcessGroupGloo has no ``shutdown()``,
-    and only its destructor joins its workers. DTensor's sharding-propagation caches keep a DeviceMesh, so
-    they keep the group alive until finalization. ``os._exit`` skips finalization: the workers end with
-    the process."""
+def end_rank() -> None:
+    """End a rank process started by ``launch``: barrier, then destroy the process group; the interpreter
+    then exits normally. Call it last in every rank script. (The simulator keeps a normal exit from aborting:
+    Note [collective tensors at exit] in device/sim/device.py.)"""
     import torch.distributed as dist
 
     if dist.is_initialized():
         dist.barrier()  # no rank leaves while a peer still talks to it
         dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 def live_device_bytes(mod: Any) -> int:

@@ -124,7 +124,8 @@ def test_cli_sim_writes_table_json_and_charts(tmp_path, capsys):
     # the preset's link rate plus its fixed latency, and one launch latency before the first starts. Only
     # float rounding is allowed for.
     chunk, preset = size["bandwidth"]["chunk_bytes"], data["preset"]
-    repeats, copy_us = 8, chunk / (preset["h2d_gbps"] * 1e3) + preset["copy_latency_us"]
+    h2d_latency_us = 2 * preset["h2d_latency_share"] * preset["copy_latency_us"]  # SimPreset.latency_us("h2d")
+    repeats, copy_us = 8, chunk / (preset["h2d_gbps"] * 1e3) + h2d_latency_us
     modeled = repeats * chunk / (repeats * copy_us + preset["launch_us"]) / 1e3
     assert size["bandwidth"]["h2d_alone"] == pytest.approx(modeled, rel=1e-9, abs=0)
     for r in size["rows"]:
@@ -224,7 +225,7 @@ def test_e2e_run_on_the_simulator_reports_every_field_and_draws_the_update_lane(
     from swapopt.bench.report import e2e_table
 
     with sim.activate(sanitize=False):
-        row, (spans, marks) = run_e2e(E2E_SMALL, steps=1, warmup=2)
+        row, (spans, marks) = run_e2e(E2E_SMALL, steps=5, warmup=1)
     assert "note" not in row, row.get("note")
     for key in ("resident_step_ms", "swap_step_ms", "forward_ms", "resident_train_ms", "train_off_ms",
                 "train_on_ms", "hidden_ms", "efficiency", "overhead_on", "peak_swap_bytes"):
@@ -258,3 +259,76 @@ def test_master_weight_strategies_equal_the_resident_recipe(kind, kw, impl):
         assert not torch.equal(params[0], make_params(SHAPES, seed=1, dtype=torch.bfloat16)[0])
     with pytest.raises(ValueError, match="no master-weights form"):
         make_strategy("host-step", params, spec)
+
+
+# ----- every row proves it did the work (swapopt.bench.proof) ------------------------------------------------
+def _rows(strategies: list[str], **kw):
+    from swapopt.bench.run import BenchConfig, run_size
+
+    cfg = BenchConfig(sizes=[0.0002], times=[4], slots=[3], reference_times=[4], repeats=1, strategies=strategies, **kw)
+    with sim.activate("h100", sanitize=True):
+        return run_size(0.0002, cfg)
+
+
+def test_every_quick_table_row_on_the_simulator_moves_its_bytes_and_changes_every_param():
+    size = _rows(["resident", "swapopt", "serial", "one-in-flight", "whole", "host-step", "torchao-offload"])
+    by_kind = {r.kind: r for r in size.rows}
+    # torchao runs on the simulator too, and its step (a backward driving its hooks, then step()) really steps
+    assert set(by_kind) == {"resident", "swapopt", "serial", "one-in-flight", "whole", "host-step", "torchao-offload"}
+    for r in size.rows:
+        assert r.error is None, (r.label, r.error)
+        assert r.step_ms > 0 and r.params_total == len(shape_for(0.0002).shapes())
+        assert r.params_changed == r.params_total, r.label
+        assert r.h2d_bytes >= r.need_h2d_bytes and r.d2h_bytes >= r.need_d2h_bytes, r.label
+    # a swap moves exactly its state bytes each way, once
+    for kind in ("swapopt", "serial", "one-in-flight", "whole"):
+        r = by_kind[kind]
+        assert r.h2d_bytes == r.d2h_bytes == r.need_h2d_bytes == size.state_bytes, kind
+    assert by_kind["resident"].h2d_bytes == by_kind["resident"].d2h_bytes == 0
+    # torchao: grads down and params up for its offloaded params (it keeps those under 4,096 elements on the device)
+    ao = by_kind["torchao-offload"]
+    big = sum(4 * p.numel() for p in make_params(shape_for(0.0002)) if p.numel() >= 4096)
+    assert ao.need_h2d_bytes == ao.need_d2h_bytes == big > 0 and ao.h2d_bytes >= big and ao.d2h_bytes >= big
+
+
+def test_a_row_that_did_not_do_the_work_is_an_error_without_a_time(monkeypatch):
+    from swapopt.bench.report import size_table
+    from swapopt.bench.strategies import SwapOpt, TorchaoOffload
+
+    # torchao stepped without a backward (what the quick table did): no grad reaches the host, nothing is updated
+    monkeypatch.setattr(TorchaoOffload, "step", lambda self: self.opt.step())
+    monkeypatch.setattr(SwapOpt, "step", lambda self: None)  # a swap that does nothing at all
+    size = _rows(["resident", "swapopt", "torchao-offload"])
+    by_kind = {r.kind: r for r in size.rows}
+    assert by_kind["resident"].error is None and by_kind["resident"].step_ms > 0
+    swap, ao = by_kind["swapopt"], by_kind["torchao-offload"]
+    for r in (swap, ao):
+        assert r.step_ms is None and r.ratio is None
+        assert "host to device, fewer than" in r.error and "device to host, fewer than" in r.error
+        assert "params unchanged" in r.error and "its timed step took" in r.error
+    assert swap.params_changed == ao.params_changed == 0  # without a backward torchao's leaves have no grad
+    table = size_table(size)
+    assert table.count("| ERROR |") == 2 and "ERROR: moved 0 bytes host to device" in table
+
+
+def test_traffic_counts_copies_each_way_and_nothing_else():
+    from swapopt.bench.proof import Traffic
+
+    with sim.activate("h100", sanitize=True):
+        dev = make_params([(256,)])[0].detach()
+        host = device.pinned_empty((256,), dtype=torch.float32)
+        with Traffic() as t:
+            host.copy_(dev)  # D2H
+            dev.copy_(host)  # H2D
+            dev.add_(1.0)  # no copy
+            dev.clone()  # a device copy, not a transfer
+        assert (t.h2d_bytes, t.d2h_bytes) == (1024, 1024)
+
+
+def test_master_weights_resident_row_is_the_bf16_recipe():
+    size = _rows(["resident", "swapopt"], master_weights=True)
+    res = next(r for r in size.rows if r.kind == "resident")
+    assert "bf16 params, fp32 masters" in res.reproduces and res.error is None
+    assert size.resident_ms == res.step_ms  # the bound takes the recipe's time
+    swap = next(r for r in size.rows if r.kind == "swapopt")
+    assert swap.h2d_bytes == swap.need_h2d_bytes == 12 * size.numel  # states and masters, fp32

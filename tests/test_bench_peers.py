@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import simdevice
+import torch
 
 import device
 from swapopt.bench import peers
@@ -28,7 +29,9 @@ def test_a_row_per_peer(rows):
     assert list(rows) == list(PEERS)
     for row in rows.values():
         assert isinstance(row, PeerResult)
-        if row.available:
+        if row.failed:  # the peer itself raised in this configuration: its error, no figure
+            assert row.available and row.reason and row.step_ms is None
+        elif row.available:
             assert row.reason is None
             assert row.step_ms is not None and row.step_ms > 0
             assert row.device_peak_bytes is not None and row.device_peak_bytes > 0
@@ -86,7 +89,8 @@ def test_a_peer_failing_mid_run_is_a_row_not_a_crash(monkeypatch):
     size = peers.DRY_RUN
     with simdevice.activate("h100"):
         row, run = peers.run_peer("swapopt", size, 1, build=False, baseline=None, start=peers._initial_params(size))
-    assert run is None and not row.available
+    # the peer was there and failed: its failure, with its error, not "unavailable"
+    assert run is None and row.available and row.failed
     assert row.reason.startswith("RuntimeError: kernel exploded")
 
 
@@ -123,3 +127,41 @@ def test_cli_writes_md_and_json_named_by_device_and_date(clean_device_env, monke
     assert peers.main(["--dry-run", "--steps", "1", "--out", str(tmp_path)]) == 0
     assert len(list(tmp_path.glob("sim-h100-*-peers*.json"))) == 2
     assert "deepspeed-cpu-adam" in capsys.readouterr().out
+
+
+class _FakeSwapAdamW(torch.optim.AdamW):
+    """Stands in for XTuner's SwapAdamW: records its keyword arguments; fails in step() with fused=True, as XTuner's
+    does on CUDA (its host step tensors)."""
+
+    seen: list[dict] = []
+
+    def __init__(self, params, swap_optimizer_times: int = 16, **kwargs):
+        type(self).seen.append(dict(kwargs))
+        self.fails = kwargs.get("fused") is True
+        super().__init__(params, **{k: v for k, v in kwargs.items() if k != "fused"})
+
+    def step(self, closure=None):
+        if self.fails:
+            raise RuntimeError("state_steps is on cpu, different from other tensors on cuda:0")
+        return super().step(closure)
+
+
+def test_xtuner_runs_with_its_defaults_and_its_fused_failure_is_its_own(monkeypatch):
+    _FakeSwapAdamW.seen = []
+    monkeypatch.setattr(peers, "xtuner_swap_adamw", lambda: (_FakeSwapAdamW, "xtuner (a stand-in)"))
+    size = peers.DRY_RUN
+    start = peers._initial_params(size)
+    with simdevice.activate("h100"):
+        default, _ = peers.run_peer("xtuner-swapadamw", size, 1, build=False, baseline=None, start=start)
+        fused, run = peers.run_peer("xtuner-swapadamw-fused", size, 1, build=False, baseline=None, start=start)
+    first, second = _FakeSwapAdamW.seen
+    assert "fused" not in first and "foreach" not in first  # its own defaults: nothing forced
+    assert second["fused"] is True
+    assert default.available and not default.failed and default.step_ms > 0
+    assert "its defaults: fused=None" in default.note
+    assert run is None and fused.available and fused.failed and fused.step_ms is None
+    assert fused.reason.startswith("RuntimeError: state_steps is on cpu")
+    text = peers.markdown([default, fused], {"device": "sim-h100", "date": "2026-11-26", "torch": "x",
+                                             "size": size.model_dump(), "params": 1, "steps": 1, "time_note": "",
+                                             "host": "h"})
+    assert "| xtuner-swapadamw-fused | FAILED |" in text and "failed: RuntimeError: state_steps" in text

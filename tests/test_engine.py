@@ -202,3 +202,43 @@ def test_gradient_checkpointing_keeps_the_loss_and_lowers_the_peak(sim):
         runs[flag] = ([m["loss"] for m in metrics], max(m["mem_peak_bytes"] for m in metrics))
     assert runs[True][0] == runs[False][0]
     assert runs[True][1] < runs[False][1]
+
+
+def test_device_masters_steps_fp32_masters_and_writes_the_bf16_params():
+    # the recipe a master-weights job is compared with: grads upcast into fp32 masters, torch's AdamW steps the
+    # masters, the params get the masters rounded; fp32 params are their own masters
+    from swapopt.engine.device_masters import DeviceMasters
+
+    gen = torch.Generator().manual_seed(0)
+    bf16 = torch.nn.Parameter(torch.randn(8, 4, generator=gen).to(torch.bfloat16))
+    fp32 = torch.nn.Parameter(torch.randn(5, generator=gen))
+    opt = DeviceMasters([bf16, fp32], lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=True))
+    master = bf16.detach().float()
+    ref = torch.optim.AdamW([master, ref_fp32 := fp32.detach().clone().requires_grad_()], lr=1e-2, foreach=True)
+    for _ in range(3):
+        g1, g2 = torch.randn(8, 4, generator=gen).to(torch.bfloat16), torch.randn(5, generator=gen)
+        bf16.grad, fp32.grad = g1.clone(), g2.clone()
+        master.grad, ref_fp32.grad = g1.float(), g2.clone()
+        for group in opt.param_groups:  # the engine's LR schedule writes here
+            group["lr"] = 5e-3
+        for group in ref.param_groups:
+            group["lr"] = 5e-3
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        ref.step()
+        assert torch.equal(bf16, master.to(torch.bfloat16)) and torch.equal(fp32, ref_fp32)
+        assert bf16.grad is None and fp32.grad is None
+    assert opt.masters[1] is fp32 and opt.masters[0].dtype == torch.float32
+    assert torch.equal(opt.state[opt.masters[0]]["exp_avg"], ref.state[master]["exp_avg"])
+
+
+def test_device_masters_builds_from_the_engine_config_and_refuses_swapping():
+    from swapopt.engine.device_masters import DeviceMasters
+
+    cfg = small_cfg("model.dtype=bfloat16", "optim.device_masters=true", "optim.swap_optimizer=false")
+    params = list(build_model(cfg.model, 0).to(dtype=torch.bfloat16).parameters())
+    opt = cfg.optim.build(params)
+    assert isinstance(opt, DeviceMasters) and isinstance(opt.inner, torch.optim.AdamW)
+    assert opt.param_groups[0]["weight_decay"] == cfg.optim.weight_decay
+    with pytest.raises(ConfigError, match="device_masters"):
+        small_cfg("optim.device_masters=true", "optim.swap_optimizer=true")

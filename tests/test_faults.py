@@ -74,7 +74,9 @@ class _Injector:
         elif stage == "swap_out_interrupt":
             mp.setattr(SwapOptimizerOperate, "swap_out", once(SwapOptimizerOperate.swap_out, lambda s, kk, *a: kk == k))
         elif stage == "pinned_alloc":  # new states' pinned host memory, on the step that creates them
+            # Small buffers come from the caching host allocator, arenas from host_empty's registered memory.
             mp.setattr(device, "pinned_empty", once(device.pinned_empty, lambda *a, **kw: True))
+            mp.setattr(device, "host_empty", once(device.host_empty, lambda *a, **kw: True))
         self.stage = stage
 
     def _raise(self, real, *args, **kwargs):

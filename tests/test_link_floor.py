@@ -26,7 +26,10 @@ from swapopt.operate import SwapOptimizerOperate
 
 TARGET = 1.05
 LAYOUT = scale_to_fit(llama7b(), 4_000_000)
-BASE = dataclasses.replace(simulator.PRESETS["h100"], launch_us=0.0, copy_latency_us=0.0)
+# The cap rules on the figures the h100 preset had before its calibration (55 GB/s each way, 80 together), where
+# a fixed rule is far from an even split; the calibrated preset's own rule ("sized") on its figures.
+SIZED = dataclasses.replace(simulator.PRESETS["h100"], launch_us=0.0, copy_latency_us=0.0, host_tensor_us=0.0)
+BASE = dataclasses.replace(SIZED, h2d_gbps=55.0, d2h_gbps=55.0, duplex_gbps=80.0, link_sharing="first")
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +42,18 @@ def small_ramp() -> Iterator[None]:
 @pytest.fixture(scope="module")
 def rows(small_ramp) -> dict[str, FloorRow]:
     return {rule: measure(LAYOUT, 16, rule, BASE) for rule in ("first", "d2h")}
+
+
+def test_step_within_1_05_of_the_measured_links_floor(small_ramp):
+    # Neither direction keeps its rate: each moves at what the H100 measured for its copy size with both busy.
+    # Whichever is launched first, so no launch order lets D2H catch up with H2D once H2D has run alone while the
+    # first chunk came in: at 16 chunks (20 with the ramp) that fill is about 5% of the step (1.050x); at 64 it
+    # is a quarter of that.
+    row = measure(LAYOUT, 64, "sized", SIZED)
+    assert row.rule_ratio <= TARGET, row
+    # Nothing beats the floor, but for what the last copies leave owed to the next step (Note [link debt]).
+    assert row.step_ms >= row.rule_floor_ms * 0.99
+    assert row.peak_extra_bytes <= row.cap_bytes and row.bitwise
 
 
 @pytest.mark.parametrize("rule", ["first", "d2h"])

@@ -9,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from swapopt.plan import (
-    EXTRA_CHUNKS, RAMP, RAMP_MIN_BYTES, RAMP_MIN_CHUNKS, ParamSize, Piece, budget_for, chunk_pieces, make_plan,
+    EXTRA_CHUNKS, RAMP, RAMP_MIN_BYTES, RAMP_MIN_CHUNKS, Chunk, LinkCosts, ParamSize, Piece, budget_for, chunk_pieces,
+    estimate_us, make_plan,
     pick_resident, ramp_budgets, tail_budgets,
 )
 
@@ -265,3 +266,50 @@ def test_tail_makes_the_last_chunks_smaller():
     plan = make_plan(whole, times=16, align=512)
     _check_cover(whole, plan.chunks)
     assert all(len([p for c in plan.chunks for p in c.pieces if p.index == s.index]) == 1 for s in whole)
+
+
+# ----- Note [chunk count from costs] -------------------------------------------------------------------------
+H100_LIKE = LinkCosts(copy_latency_us=15.0, h2d_gbps=55.0, d2h_gbps=55.0, duplex_gbps=105.0, host_chunk_us=55.0)
+
+
+def _fsdp_like(n: int = 291, each: int = 180_000) -> list[ParamSize]:
+    """Many small params of two fp32 states, about 200 MiB in all, as one FSDP rank's shards."""
+    return [ParamSize(i, each, each * 8, splittable=True, regions=2) for i in range(n)]
+
+
+def test_costs_choose_the_plan_of_least_modeled_time():
+    sizes = _fsdp_like()
+    for times in (16, 64):
+        plain = make_plan(sizes, times=times)
+        costed = make_plan(sizes, times=times, costs=H100_LIKE)
+        # the user's bound on chunk bytes holds either way
+        assert costed.budget <= plain.budget
+        assert costed.max_chunk_bytes <= plain.max_chunk_bytes
+        assert estimate_us(costed.chunks, sizes, H100_LIKE) <= estimate_us(plain.chunks, sizes, H100_LIKE)
+        assert sum(c.nbytes for c in costed.chunks) >= sum(s.state_bytes for s in sizes)
+    # at 64 chunks of ~3 MiB a ramp chunk's copy is shorter than what a chunk costs: no ramp, no tail
+    p64 = make_plan(sizes, times=64, costs=H100_LIKE)
+    assert len(p64.chunks) < len(make_plan(sizes, times=64).chunks)
+    assert len(p64.chunks) <= 64 + 1
+
+
+def test_costs_keep_a_ramp_that_pays_for_itself():
+    # 8 GiB of states at 16 chunks: 512 MiB chunks, whose first swap-in alone costs ~10 ms; ramp chunks of
+    # 64-256 MiB cost far less in latency and host time than they save
+    sizes = [ParamSize(i, 1 << 26, 8 << 26, splittable=True, regions=2) for i in range(16)]
+    plan = make_plan(sizes, times=16, costs=H100_LIKE)
+    assert plan.chunks[0].nbytes < plan.budget // 2
+    assert plan.chunks[-1].nbytes < plan.budget // 2
+
+
+def test_estimate_counts_latency_host_and_fill():
+    costs = LinkCosts(copy_latency_us=10.0, h2d_gbps=1.0, d2h_gbps=1.0, duplex_gbps=2.0, host_chunk_us=0.0)
+    sizes = [ParamSize(0, 1000, 8000, splittable=True, regions=2)]
+    one = [Chunk((Piece(0, 0, 1000),), 8000)]
+    two = [Chunk((Piece(0, 0, 500),), 4000), Chunk((Piece(0, 500, 1000),), 4000)]
+    # bytes per us: 1e3 each way alone, 1e3 each with both busy
+    assert estimate_us(one, sizes, costs) == pytest.approx(8 + 8 + 10 + 8)
+    # each piece of the cut param costs a copy per state beyond its chunk's own: 2 x (1 + 2) copies
+    assert estimate_us(two, sizes, costs) == pytest.approx(4 + 4 + 6 * 10 + 8)
+    busy_host = LinkCosts(copy_latency_us=0.0, h2d_gbps=1.0, d2h_gbps=1.0, duplex_gbps=2.0, host_chunk_us=100.0)
+    assert estimate_us(two, sizes, busy_host) == pytest.approx(4 + 4 + 200)

@@ -34,7 +34,9 @@ def test_corpus_covers_every_group():
     assert len(PROGRAMS) >= 60
     assert len({p.name for p in PROGRAMS}) == len(PROGRAMS)
     groups = Counter(p.group for p in PROGRAMS)
-    expected = {"ordering", "copies", "allocator", "views", "threads", "autograd", "collectives", "compiled", "storages"}
+    expected = {
+        "ordering", "copies", "aliases", "allocator", "views", "threads", "autograd", "collectives", "compiled", "storages",
+    }  # fmt: skip
     assert set(groups) == expected
     for group in expected:
         labels = {p.label for p in PROGRAMS if p.group == group}

@@ -110,13 +110,16 @@ def flow_torch_load_to_host(case: dict) -> list[torch.Tensor]:
     return _resume(case, lambda state: _through_file(state, map_location="cpu"))
 
 
-def _tensor_lr(rank: int) -> Callable[[dict], list[torch.Tensor]]:
+def _tensor_lr(rank: int, host: bool = False) -> Callable[[dict], list[torch.Tensor]]:
+    """A tensor lr of `rank` on the default device (the simulated one, as users write it), or on the host
+    (host=True: torch's test_tensor_lr passes both; CUDA's fused kernels read a host lr with lr.item())."""
+
     def flow(case: dict) -> list[torch.Tensor]:
         lr = float(case["kwargs"].get("lr", 1e-3))
-        lr = torch.tensor(lr).reshape([1] * rank)  # as users write it: on the default device (the simulated one)
+        lr = torch.tensor(lr, device="cpu" if host else None).reshape([1] * rank)
         return flow_steps({**case, "kwargs": {**case["kwargs"], "lr": lr}})
 
-    flow.__name__ = f"flow_tensor_lr_rank{rank}"
+    flow.__name__ = f"flow_tensor_lr_rank{rank}{'_host' if host else ''}"
     return flow
 
 
@@ -138,7 +141,7 @@ def flow_hooks(case: dict) -> list[torch.Tensor]:
 
 FLOWS = [flow_steps, flow_deepcopy_load, flow_torch_load, flow_torch_load_to_host, flow_hooks] + [
     _tensor_lr(rank) for rank in (0, 1, 2)
-]
+] + [_tensor_lr(rank, host=True) for rank in (1, 2)]
 
 
 # What torch refuses in these flows, by name: foreach Adam/AdamW take a tensor lr only when capturable.
@@ -213,4 +216,5 @@ def test_most_cases_run():
     """Refusals must stay the exception: the flows are real for nearly every optimizer."""
     assert len(CASES) >= 300
     refused = [p.id for p in CASES if p.values[0]["refused"] is not None]
-    assert 0 < len(refused) <= 6, refused
+    # Only torch's one refusal: foreach Adam/AdamW with a tensor lr, on the first input's five tensor-lr flows.
+    assert 0 < len(refused) <= 10 and all(re.match(r"AdamW?-foreach-.*-tensor_lr_rank", r) for r in refused), refused

@@ -47,7 +47,9 @@ def _pipeline(sim, drop: str | None = None) -> list[torch.Tensor]:
             device.record_stream(slot, d2h)
     del staging, slot
     if drop == "record_stream":
-        torch.empty(1)  # compute allocates before the drains are waited for: a dropped slot may come back
+        # compute allocates and writes before the drains are waited for: a dropped slot comes back to it while
+        # the side streams may still use it (an allocation never written would harm nothing, as on CUDA)
+        torch.zeros(N)
     if drop != "host_sync":
         for event in drained:
             event.synchronize()
@@ -77,16 +79,19 @@ def test_pipeline_time_approaches_the_link_bound(sim_no_launch):
     _pipeline(sim)
     preset = sim.preset
     nbytes = 4 * N
-    copy_us = preset.copy_latency_us + nbytes / (preset.h2d_gbps * 1e3)  # one copy alone on the link
+    copy_us = preset.latency_us("h2d") + nbytes / (preset.h2d_gbps * 1e3)  # one H2D copy alone on the link
+    copy_out = preset.latency_us("d2h") + nbytes / (preset.d2h_gbps * 1e3)  # one D2H copy alone
     h2d = [op for op in sim.timeline if op.lane == "h2d"]
     assert len(h2d) == CHUNKS and all(op.end_us - op.start_us >= copy_us * (1 - 1e-9) for op in h2d)
     # Pipelined: the D2H of chunk k runs beside the H2D of chunk k+1, so the H2D lane never idles. Both
     # directions share the link's aggregate cap, so overlapped copies take longer than one alone, and the
-    # whole cannot beat every byte through the cap; serialized it would be 2 * CHUNKS copies.
+    # whole cannot beat every byte through the cap; serialized it would be CHUNKS copies each way.
     for before, after in zip(h2d, h2d[1:]):
         assert after.start_us == pytest.approx(before.end_us)
     end = max(op.end_us for op in sim.timeline)
     start = min(op.start_us for op in h2d)
     assert end - h2d[-1].end_us < 1.2 * copy_us  # then only the last update and swap-out
-    assert 2 * CHUNKS * nbytes / (preset.duplex_gbps * 1e3) <= end - start < 0.8 * 2 * CHUNKS * copy_us
+    serial = CHUNKS * (copy_us + copy_out)
+    assert 2 * CHUNKS * nbytes / (preset.duplex_gbps * 1e3) <= end - start
+    assert end - start < (CHUNKS + 1) * max(copy_us, copy_out) < serial
     assert sim.now_us() == pytest.approx(end)  # the host waited for the last D2H

@@ -248,9 +248,25 @@ def test_freed_without_record_stream_is_reported(sim):
     del staging  # back to compute's pool while the side-stream copy still runs
     torch.ones(2, device="cpu").add_(1)  # host work allocates nothing on compute: no report...
     with pytest.raises(StreamRaceError, match="record_stream") as err:
-        torch.ones(1)  # ...compute's next allocation may get the block (Note [free and reuse])
+        torch.ones(1)  # ...compute's next allocation may get the block, and ones writes it (Note [free and reuse])
     assert err.value.kind == "free" and err.value.earlier_stream == "stream#1"
-    assert err.value.earlier_op == "aten.copy_.default"
+    assert err.value.earlier_op == "aten.copy_.default" and err.value.op == "aten.ones.default"
+
+
+def test_freed_block_never_handed_out_again_is_not_reported(sim):
+    """CUDA's rule: a free issues no device work, so a block freed while another stream still writes it harms
+    nothing until it is handed out again and used; a program that stops there is correct, and nothing is
+    reported at a synchronize or when the simulator exits."""
+    side = sim.Stream()
+    staging = torch.empty(128)
+    side.wait_stream(sim.default_stream())
+    host = device.pinned_empty(128)
+    with sim.stream(side):
+        staging.copy_(host, non_blocking=True)
+    del staging
+    torch.ones(1 << 19)  # a 2 MiB allocation: the large pool never hands out a small block
+    sim.synchronize()
+    torch.ones(1)  # the synchronize ordered everything: no hazard is left
 
 
 def test_freed_block_is_safe_once_its_stream_waits_for_the_user(sim):

@@ -1,6 +1,7 @@
 """The deterministic timeline: lanes overlap, streams serialize, waits and blocking calls are honored,
-and work is priced like the hardware: kernels by max(bytes / HBM, FLOPs / peak), copies by latency +
-bytes / link rate under an aggregate cap for both directions at once."""
+and work is priced like the hardware: kernels by max(bytes / HBM, FLOPs / peak), copies by their direction's
+latency + bytes / link rate, both directions at once sharing the link by the preset's rule (the h100 preset's:
+rates per copy size with both busy, as measured; the cap rules on a symmetric preset)."""
 
 from __future__ import annotations
 
@@ -21,11 +22,19 @@ from device.sim.timeline import Timeline
 H100 = simulator.PRESETS["h100"]
 N = 1 << 20  # floats per copy: 4 MiB
 BYTES = 4 * N
-RATE = H100.h2d_gbps * 1e3  # bytes per us, one direction alone
-CAP = H100.duplex_gbps * 1e3  # bytes per us, both directions together
-LAT = H100.copy_latency_us
-COPY_US = LAT + BYTES / RATE  # one copy alone on the h100 preset
 GB = 10**9
+# The h100 preset, per direction: rate alone (bytes per us), latency, one copy of BYTES alone.
+H2D_RATE, D2H_RATE = H100.h2d_gbps * 1e3, H100.d2h_gbps * 1e3
+H2D_LAT, D2H_LAT = H100.latency_us("h2d"), H100.latency_us("d2h")
+H2D_US, D2H_US = H2D_LAT + BYTES / H2D_RATE, D2H_LAT + BYTES / D2H_RATE
+# The cap rules (Note [link sharing]) on a symmetric preset, the figures the h100 preset had before its
+# calibration, so that their arithmetic stays plain: one rate, one latency, one cap.
+RULES = dataclasses.replace(H100, h2d_gbps=55.0, d2h_gbps=55.0, duplex_gbps=80.0, copy_latency_us=2.0,
+                            h2d_latency_share=0.5, link_sharing="first", launch_us=0.0)
+RATE = RULES.h2d_gbps * 1e3  # bytes per us, one direction alone
+CAP = RULES.duplex_gbps * 1e3  # bytes per us, both directions together
+LAT = RULES.copy_latency_us
+COPY_US = LAT + BYTES / RATE  # one copy alone on RULES
 
 
 def _span(sim) -> float:
@@ -49,24 +58,28 @@ def _opposite_copies(sim, h2d_stream, d2h_stream):
     return [op.lane for op in sim.timeline]
 
 
-def test_opposite_copies_on_two_streams_share_the_duplex_cap(sim_no_launch):
+def test_opposite_copies_on_two_streams_share_the_link(sim_no_launch):
     sim = sim_no_launch
     lanes = _opposite_copies(sim, sim.Stream(), sim.Stream())
     assert lanes == ["h2d", "d2h"]
     h2d, d2h = sim.timeline
-    # The H2D, scheduled first, runs at its full rate; the D2H gets what the cap leaves while both run.
-    assert h2d.end_us - h2d.start_us == pytest.approx(COPY_US)
-    shared = (COPY_US - LAT) * (CAP - RATE)
-    assert d2h.end_us == pytest.approx(COPY_US + (BYTES - shared) / RATE)
-    # Overlap still pays, but not the full duplex: at least both copies' bytes through the cap.
-    assert LAT + 2 * BYTES / CAP <= _span(sim) < 2 * COPY_US
+    # The H2D, scheduled first with nothing beside it, runs at its full rate.
+    assert h2d.end_us - h2d.start_us == pytest.approx(H2D_US)
+    # The D2H runs alone until the H2D's bytes start flowing, then at its rate with both busy for its size.
+    both = H100.both_gbps("d2h", BYTES) * 1e3
+    assert both < D2H_RATE
+    alone = (H2D_LAT - D2H_LAT) * D2H_RATE
+    assert d2h.start_us == h2d.start_us  # launched at the same host time: launches cost none here
+    assert d2h.end_us - d2h.start_us == pytest.approx(H2D_LAT + (BYTES - alone) / both)
+    # Overlap still pays, but not the full duplex: at least both copies' bytes through the most the link carries.
+    assert D2H_LAT + 2 * BYTES / (H100.duplex_gbps * 1e3) <= _span(sim) < H2D_US + D2H_US
 
 
 def test_opposite_copies_on_one_stream_take_two(sim_no_launch):
     sim = sim_no_launch
     s = sim.Stream()
     _opposite_copies(sim, s, s)
-    assert _span(sim) == pytest.approx(2 * COPY_US)
+    assert _span(sim) == pytest.approx(H2D_US + D2H_US)
 
 
 def test_same_direction_copies_share_the_link(sim_no_launch):
@@ -80,7 +93,7 @@ def test_same_direction_copies_share_the_link(sim_no_launch):
     for s, src, dst in zip((a, b), srcs, dsts):
         with sim.stream(s):
             dst.copy_(src, non_blocking=True)
-    assert _span(sim) == pytest.approx(2 * COPY_US)
+    assert _span(sim) == pytest.approx(2 * H2D_US)
     sim.synchronize()  # side-stream work ends before its tensors are freed
 
 
@@ -95,11 +108,12 @@ def test_copy_beside_compute_overlaps(sim_no_launch):
     with sim.stream(side):
         staging.copy_(host, non_blocking=True)
     x.mul_(2)  # compute stream: reads and writes 4 MiB at HBM speed
-    compute_us = 2 * 4 * N / (3350.0 * 1e3)
+    compute_us = 2 * 4 * N / (H100.hbm_gbps * 1e3)
     assert [op.lane for op in sim.timeline] == ["h2d", "compute"]
-    assert sim.timeline[1].start_us == 0.0
-    assert sim.timeline[1].end_us == pytest.approx(compute_us)
-    assert _span(sim) == pytest.approx(max(COPY_US, compute_us))
+    start = sim.timeline[0].start_us  # the host's time when both were launched (pinning the host buffer took some)
+    assert sim.timeline[1].start_us == start
+    assert sim.timeline[1].end_us == pytest.approx(start + compute_us)
+    assert _span(sim) == pytest.approx(max(H2D_US, compute_us))
     sim.synchronize()  # side-stream work ends before its tensors are freed
 
 
@@ -122,12 +136,13 @@ def test_blocking_calls_advance_host_time(sim_no_launch):
     sim = sim_no_launch
     host = device.pinned_empty(N)
     dev = torch.empty(N)
+    start = sim.now_us()  # pinning the host buffer took host time
     dev.copy_(host, non_blocking=True)
-    assert sim.now_us() == 0.0
+    assert sim.now_us() == start
     dev.copy_(host)  # non_blocking=False: the host waits for both copies on the stream
-    assert sim.now_us() == pytest.approx(2 * COPY_US)
+    assert sim.now_us() - start == pytest.approx(2 * H2D_US)
     dev[0].item()
-    assert sim.now_us() == pytest.approx(2 * COPY_US + LAT + 4 / RATE)
+    assert sim.now_us() - start == pytest.approx(2 * H2D_US + D2H_LAT + 4 / D2H_RATE)
 
 
 def test_launches_cost_host_time(sim):
@@ -156,7 +171,7 @@ def test_elapsed_time_matches_the_model(sim):
     assert end.query()
     (copy,) = [op for op in sim.timeline if op.lane == "h2d"]
     assert start.elapsed_time(end) == pytest.approx((copy.end_us - start.time_us) / 1e3)
-    assert start.elapsed_time(end) == pytest.approx((sim.preset.launch_us + COPY_US) / 1e3)
+    assert start.elapsed_time(end) == pytest.approx((sim.preset.launch_us + H2D_US) / 1e3)
     with pytest.raises(RuntimeError, match="enable_timing"):
         sim.Event().elapsed_time(end)
 
@@ -202,21 +217,24 @@ def test_chrome_trace_export(sim, tmp_path):
 
 def test_every_preset_figure_has_a_source_or_says_assumed():
     figures = figure_names()
-    # Every numeric field of the preset is a figure: nothing escapes the check by being left off the list.
+    # Every numeric field of the preset is a figure, and so is the table of rates with both busy: nothing
+    # escapes the check by being left off the list.
     numeric = [f.name for f in dataclasses.fields(SimPreset) if f.type in ("float", "int", float, int)]
-    assert set(numeric) == set(figures) and len(figures) >= 13
+    assert set(figures) == {*numeric, "duplex_table"} and len(figures) >= 16
     for preset in simulator.PRESETS.values():
         assert set(preset.sources) == set(figures), f"{preset.name}: sources for unknown or missing figures"
         for name in figures:
             source = preset.sources[name].strip()
             assert len(source) > 10, f"{preset.name}.{name} has no source"
-            assert getattr(preset, name) > 0, f"{preset.name}.{name}"
+            value = getattr(preset, name)
+            assert value and (min(min(row) for row in value) if name == "duplex_table" else value) > 0, name
         # Calibration: a date goes with the figures measured then, never one without the other.
         assert (preset.calibrated is None) == (not preset.measured)
         assert set(preset.measured) <= set(figures)
     h100 = simulator.PRESETS["h100"]
-    # The usable capacity the driver reports, not the datasheet's 80 GB nor 80 GiB.
-    assert h100.capacity_bytes == 81559 * 2**20 < 80 * 2**30
+    # The usable capacity the H100 run's runtime reported, not the datasheet's 80 GB nor 80 GiB.
+    assert h100.capacity_bytes == 85_017_493_504 < 80 * 2**30
+    assert "580.159.04" in h100.calibrated and h100.measured["capacity_bytes"] == h100.capacity_bytes
     # fp32 matmuls without TF32 run on CUDA cores: the 67 TFLOP/s row, far below the tensor-core ones.
     assert h100.fp32_tflops == 67.0 and h100.bf16_tflops > 10 * h100.fp32_tflops
     with pytest.raises(ValueError, match="duplex"):
@@ -376,14 +394,21 @@ def test_matmul_on_the_simulator_is_priced_by_flops(sim_no_launch):
 
 
 def test_one_gb_each_way_at_once_takes_two_gb_over_the_cap():
-    for preset in simulator.PRESETS.values():
+    for preset in [RULES, *simulator.PRESETS.values()]:
         timeline = Timeline(dataclasses.replace(preset, launch_us=0.0))
         up = timeline.launch("up", 0.0, "h2d", GB, "h2d", None)
         down = timeline.launch("down", 0.0, "d2h", GB, "d2h", None)
         both = max(up.end_us, down.end_us) - min(up.start_us, down.start_us)
-        assert both >= 2 * GB / (preset.duplex_gbps * 1e3), preset.name
-        # Each alone would take its own bytes / rate: the cap is what makes both at once slower than that.
-        assert both > preset.copy_latency_us + GB / (min(preset.h2d_gbps, preset.d2h_gbps) * 1e3)
+        if preset.link_sharing == "first":
+            assert both >= 2 * GB / (preset.duplex_gbps * 1e3), preset.name
+        else:
+            # The H2D copy was scheduled alone and cannot be slowed: what it moved over its both-busy rate is
+            # owed by the next H2D copy (Note [link debt]); with it, no faster than the link carries both ways.
+            later = timeline.launch("up", up.end_us, "h2d", GB, "h2d", None)
+            assert later.end_us - up.end_us > GB / (preset.h2d_gbps * 1e3), preset.name
+            assert later.end_us >= 3 * GB / (preset.duplex_gbps * 1e3), preset.name
+        # Each alone would take its own bytes / rate: sharing is what makes both at once slower than that.
+        assert both > max(preset.latency_us(d) + GB / (preset.alone_gbps(d) * 1e3) for d in ("h2d", "d2h"))
 
 
 class _RecordingTimeline(Timeline):
@@ -393,11 +418,11 @@ class _RecordingTimeline(Timeline):
         super().__init__(preset)
         self.segments: dict[str, list[tuple[float, float, float]]] = {"h2d": [], "d2h": []}
 
-    def _move(self, flow: list, start: float, end: float, rate: float) -> float:
+    def _move(self, flow: list, start: float, end: float, rate: float, both: float = 0.0) -> float:
         lane = "h2d" if flow is self._flow["h2d"] else "d2h"
         if end > start:
             self.segments[lane].append((start, end, rate))
-        return Timeline._move(flow, start, end, rate)
+        return Timeline._move(flow, start, end, rate, both)
 
 
 def test_the_link_never_carries_more_than_the_cap():
@@ -406,7 +431,7 @@ def test_the_link_never_carries_more_than_the_cap():
     latency, and the same launches always give the same times."""
 
     def run() -> tuple[list, dict]:
-        timeline = _RecordingTimeline(dataclasses.replace(H100, launch_us=0.0))
+        timeline = _RecordingTimeline(RULES)
         ops = []
         for i in range(40):
             lane = "h2d" if i % 3 else "d2h"
@@ -443,20 +468,20 @@ def test_latency_is_charged_per_copy(sim_no_launch):
         dev[i * numel : (i + 1) * numel].copy_(host[i * numel : (i + 1) * numel], non_blocking=True)
     sim.synchronize()
     many = sim.now_us() - start
-    assert many == pytest.approx(pieces * (LAT + 4 * numel / RATE))
+    assert many == pytest.approx(pieces * (H2D_LAT + 4 * numel / H2D_RATE))
     start = sim.now_us()
     dev.copy_(host, non_blocking=True)
     sim.synchronize()
     one = sim.now_us() - start
-    assert one == pytest.approx(LAT + 4 * pieces * numel / RATE)
-    assert many - one == pytest.approx((pieces - 1) * LAT)
+    assert one == pytest.approx(H2D_LAT + 4 * pieces * numel / H2D_RATE)
+    assert many - one == pytest.approx((pieces - 1) * H2D_LAT)
 
 
 # ---- pricing: which direction gives way (Note [link sharing]) ----
 
 
 def _ruled(rule: str) -> Timeline:
-    return Timeline(dataclasses.replace(H100, launch_us=0.0, link_sharing=rule))
+    return Timeline(dataclasses.replace(RULES, link_sharing=rule))
 
 
 YIELDED_US = COPY_US + (BYTES - (COPY_US - LAT) * (CAP - RATE)) / RATE  # a copy that gave way to a full-rate one
@@ -493,11 +518,17 @@ def test_each_sharing_rule_picks_the_direction_that_keeps_its_rate(rule, first):
     assert span >= timeline.preset.link_floor_us(2 * BYTES if gives == "h2d" else BYTES, 2 * BYTES if gives == "d2h" else BYTES)
 
 
-def test_presets_keep_the_first_launched_rule_and_refuse_unknown_ones():
-    # Existing modeled figures stay as they were: the presets keep the rule the timeline always had.
-    assert {p.link_sharing for p in simulator.PRESETS.values()} == {"first"}
+def test_presets_share_the_link_by_copy_size_and_refuse_unknown_rules():
+    # Neither direction keeps its rate with both busy on the H100; the 910b preset says the same of its assumed
+    # cap, split evenly.
+    assert {p.link_sharing for p in simulator.PRESETS.values()} == {"sized"}
+    assert simulator.PRESETS["910b"].both_gbps("h2d", GB) == simulator.PRESETS["910b"].duplex_gbps / 2
     with pytest.raises(ValueError, match="link_sharing"):
         dataclasses.replace(H100, link_sharing="fair")
+    with pytest.raises(ValueError, match="duplex_table"):
+        dataclasses.replace(H100, duplex_table=())
+    with pytest.raises(ValueError, match="duplex_table"):
+        dataclasses.replace(H100, duplex_table=((2.0, 1.0, 1.0), (1.0, 1.0, 1.0)))
 
 
 @pytest.mark.parametrize("rule", ["d2h", "h2d"])
@@ -527,11 +558,11 @@ def test_a_fixed_rule_carries_no_more_than_the_cap_once_the_debt_is_paid(rule):
 
 def test_link_floor_per_rule():
     b = float(GB)
-    even = H100.link_floor_us(b, b)
+    even = RULES.link_floor_us(b, b)
     assert even == pytest.approx(2 * b / CAP)  # both directions' bytes through the cap
-    assert H100.link_floor_us(b, 0.0) == pytest.approx(b / RATE)  # one direction alone: its own rate
+    assert RULES.link_floor_us(b, 0.0) == pytest.approx(b / RATE)  # one direction alone: its own rate
     for rule in ("d2h", "h2d"):
-        fixed = dataclasses.replace(H100, link_sharing=rule)
+        fixed = dataclasses.replace(RULES, link_sharing=rule)
         # the favoured direction's bytes at its rate, the other moving cap - rate meanwhile, then the rest alone
         assert fixed.link_floor_us(b, b) == pytest.approx(b / RATE + (b - (CAP - RATE) * b / RATE) / RATE)
         assert fixed.link_floor_us(b, b) > 1.1 * even

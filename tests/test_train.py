@@ -39,17 +39,64 @@ def test_main_job_short_run_reports_swap_and_resident_peaks(clean_device_env, tm
     assert swap_peak < resident_peak
 
 
-def test_master_weights_job_trains_bf16_params_and_compares_three_peaks(clean_device_env, capsys):
-    # tiny.py's width: in a narrower model the staging, not the states, decides the peak
+def test_master_weights_job_compares_with_the_bf16_recipe_with_masters_on_the_device(clean_device_env, capsys):
+    # tiny.py's width: in a narrower model the staging, not the states, decides the peak. Six steps: a step period
+    # is taken over the five after the first.
     rc = main([str(ROOT / "configs" / "tiny_masters.py"), "--cfg-options", "train.batch=2", "train.seq_len=16",
-               "lr.warmup_steps=1", "train.steps=3", "train.compare_resident=2"])  # fmt: skip
+               "lr.warmup_steps=1", "train.steps=6", "train.compare_resident=6"])  # fmt: skip
     out = capsys.readouterr().out
     assert rc == 0, out
     masters = float(out.split("master_weights=True (bfloat16 params): ")[1].split(" MiB")[0])
-    resident = float(out.split("(fp32 params, swap_optimizer=False), 2 steps, peak device memory: ")[1].split(" MiB")[0])
-    states = float(out.split("(fp32 params, master_weights=False), 2 steps, peak device memory: ")[1].split(" MiB")[0])
-    assert masters < states < resident
-    assert "bitwise equal" not in out  # other dtypes: no bitwise comparison is claimed
+    label = "resident recipe (bfloat16 params, fp32 masters and states on the device, swap_optimizer=False)"
+    recipe = float(out.split(f"{label}, 6 steps, peak device memory: ")[1].split(" MiB")[0])
+    assert masters < recipe
+    assert "fp32 params" not in out  # no fp32 job as the baseline
+    # the recipe it reproduces: the same numbers, bitwise
+    assert "losses of the first 6 steps bitwise equal to the resident recipe: True" in out
+    periods = [float(line.split("step period: ")[1].split(" ms")[0]) for line in out.splitlines()
+               if "step period: " in line and "(modeled, steps 2-6:" in line]
+    assert len(periods) == 2 and all(p > 0 for p in periods)
+    ratio = float(out.split("this job's step period is ")[1].split("x the resident recipe's")[0])
+    assert ratio == pytest.approx(periods[0] / periods[1], abs=0.01)
+
+
+def test_device_masters_is_the_unswapped_recipe_only():
+    from swapopt.engine.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="device_masters"):
+        load_config(TINY, [*SMALL, "optim.device_masters=true", "optim.swap_optimizer=true"])
+    cfg = load_config(str(ROOT / "configs" / "tiny_masters.py"),
+                      [*SMALL, "optim.swap_optimizer=false", "optim.master_weights=false", "optim.device_masters=true"])
+    assert cfg.optim.device_masters and cfg.model.dtype == "bfloat16"
+
+
+def _summary(opts: list[str]) -> tuple[dict, list[dict]]:
+    import io
+
+    from rich.console import Console
+
+    from swapopt.engine.config import load_config
+    from swapopt.engine.preflight import plan_device
+    from swapopt.train import device_context, run
+
+    cfg = load_config(TINY, [*SMALL, *opts])
+    with device_context(cfg, plan_device(cfg)):
+        return run(cfg, Console(file=io.StringIO()), modeled=True), []
+
+
+@pytest.mark.parametrize("steps", [5, 6])
+def test_step_period_needs_a_synchronized_window_of_five_steps_after_the_first(clean_device_env, tmp_path, steps):
+    metrics = tmp_path / "m.jsonl"
+    summary, _ = _summary([f"train.steps={steps}", "optim.overlap_forward=true",
+                           "train.log_interval=100", f"train.metrics_path={metrics}"])
+    if steps == 5:  # four steps after the first: too few for a period
+        assert "period_ms" not in summary
+        return
+    assert summary["period_steps"] == (2, 6)
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    # with overlap each step's own events end before its update does: the window counts the updates too
+    window = [r["step_ms"] for r in rows[1:]]
+    assert summary["period_ms"] >= sum(window) / len(window)
 
 
 @pytest.mark.parametrize("options, key", [

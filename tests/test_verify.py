@@ -129,7 +129,8 @@ SMALL = CalibrationPlan(copy_sizes=[MB, 4 * MB], copy_target_bytes=16 * MB, adam
                         matmul_n=2048, matmul_repeats=1, launches=50, repeats=1)
 # A preset unlike either stock one, so that reading it back proves the fit, not a default.
 ODD = dataclasses.replace(PRESETS["h100"], name="odd", h2d_gbps=40.0, d2h_gbps=50.0, duplex_gbps=70.0,
-                          copy_latency_us=3.0, hbm_gbps=2000.0, bf16_tflops=500.0, launch_us=4.0)
+                          copy_latency_us=3.0, hbm_gbps=2000.0, bf16_tflops=500.0, launch_us=4.0,
+                          duplex_table=((float(MB), 30.0, 40.0),))
 
 
 @pytest.fixture(scope="module")
@@ -148,8 +149,9 @@ def test_calibration_reads_the_simulators_figures_back(odd_calibration):
     assert f.bf16_tflops == pytest.approx(500.0, rel=1e-3)
     assert f.launch_us == pytest.approx(4.0, rel=1e-3)
     assert f.duplex_gbps == pytest.approx(70.0, rel=0.02)
-    # The simulator lets the copy launched first keep its rate: each order favours the direction issued first.
-    assert f.keeps_rate == "first-launched"
+    # Under the preset's table neither direction keeps its rate with both busy: each moves at the table's.
+    assert f.keeps_rate == "neither"
+    assert [row[1:] for row in f.duplex_table] == [pytest.approx((30.0, 40.0), rel=0.05)] * len(SMALL.copy_sizes)
     assert odd_calibration.capacity_bytes == ODD.capacity_bytes
 
 
@@ -159,12 +161,12 @@ def test_calibrated_preset_fills_measured_and_names_its_sources(odd_calibration)
     assert preset.h2d_gbps == pytest.approx(40.0, rel=1e-3)
     assert "2026-11-25" in preset.calibrated and "Odd GPU" in preset.calibrated
     assert preset.measured["h2d_gbps"] == pytest.approx(40.0, rel=1e-3)
-    assert preset.measured["first_launched_keeps_rate"] == 1.0
+    assert preset.measured["first_launched_keeps_rate"] == 0.0
     assert preset.sources["hbm_gbps"].startswith("measured by python -m swapopt.verify on 2026-11-25, Odd GPU")
     assert preset.sources["fp64_tflops"] == PRESETS["h100"].sources["fp64_tflops"]  # not probed: kept
     assert preset.fp64_tflops == PRESETS["h100"].fp64_tflops
     if "link_sharing" in {f.name for f in dataclasses.fields(SimPreset)}:
-        assert preset.link_sharing == "first"
+        assert preset.link_sharing == "sized"
 
 
 def _calibration(both: list[DuplexPoint], h2d=50.0, d2h=50.0, matmul_ms=1.0) -> Calibration:
@@ -191,15 +193,18 @@ def test_which_direction_keeps_its_rate(both, rule):
     preset = calibrated_preset(cal, PRESETS["h100"], name="x", when="d", what_device="x")
     assert preset.measured["d2h_keeps_rate"] == float(rule in ("d2h", "both"))
     if "link_sharing" in {f.name for f in dataclasses.fields(SimPreset)}:
-        expected = {"d2h": "d2h", "h2d": "h2d", "first-launched": "first"}.get(rule, PRESETS["h100"].link_sharing)
-        assert preset.link_sharing == expected
+        # Whatever kept its rate, the preset takes the rates measured with both busy (Note [link sharing]).
+        assert preset.link_sharing == "sized"
+        avg = {d: sum(getattr(b, f"{d}_gbps") for b in both) / len(both) for d in ("h2d", "d2h")}
+        assert preset.duplex_table == ((MB, pytest.approx(avg["h2d"]), pytest.approx(avg["d2h"])),)
 
 
 def test_launch_bound_matmul_keeps_the_base_rate():
     cal = _calibration([DuplexPoint(first="h2d", h2d_gbps=50, d2h_gbps=30)], matmul_ms=0.006)  # 6 us < 2 launches
     f = fit(cal)
     assert f.bf16_tflops is None and any("bf16 rate not fitted" in n for n in f.notes)
-    assert calibrated_preset(cal, PRESETS["h100"], name="x", when="d", what_device="x").bf16_tflops == 989.5
+    preset = calibrated_preset(cal, PRESETS["h100"], name="x", when="d", what_device="x")
+    assert preset.bf16_tflops == PRESETS["h100"].bf16_tflops
 
 
 def test_duplex_rates_from_staggered_blocks():
@@ -361,3 +366,141 @@ def test_bench_refuses_a_missing_preset_file(tmp_path):
     assert done.returncode == 2
     assert done.stdout.startswith("error: simulator preset file") and "does not exist" in done.stdout
     assert not (tmp_path / "out").exists()
+
+
+# ---- --quick: each phase under its own time limit; --model: the modeled side later --------------------------
+
+
+def test_a_phase_past_its_limit_is_stopped_and_the_next_one_runs():
+    import time
+
+    from rich.progress import Progress
+
+    from swapopt.verify.run import _Phases
+
+    phases = _Phases(Progress(disable=True))
+    ran = []
+    with phases.phase("slow", limit_s=0.3):
+        while True:  # stands for a phase that would run on
+            time.sleep(0.01)
+    with phases.phase("next", limit_s=5):
+        ran.append("next")
+    slow, after = phases.done
+    assert slow.status.startswith("stopped: past its 0 s limit") and slow.limit_s == 0.3
+    assert 0.3 <= slow.seconds < 3
+    assert ran == ["next"] and after.status == "ok"
+    assert phases.failed == [slow]  # a stopped phase makes the exit code 1
+
+
+def test_a_stopped_benchmark_phase_keeps_what_it_finished_and_leaves_the_simulator_usable():
+    import torch
+    from rich.progress import Progress
+
+    import device
+    from swapopt.verify.bench_runs import BenchParts, run_sizes
+    from swapopt.verify.plan import QUICK_DRY_PLAN
+    from swapopt.verify.run import _Phases
+
+    plan = QUICK_DRY_PLAN.model_copy(update={"strategies": ["resident", "swapopt"]})
+    phases, parts = _Phases(Progress(disable=True)), BenchParts()
+    with device_sim.activate("h100", sanitize=True):
+        with phases.phase("quick table", limit_s=0.2):
+            run_sizes(plan, [0.0002, 0.0002, 0.0002], parts)  # far more than 0.2 s of work
+        assert phases.done[0].status.startswith("stopped")
+        assert len(parts.sizes) < 3
+        # the device still works after the stop
+        x = torch.ones(4, device=device.torch_device())
+        assert float((x + 1).sum()) == 8.0
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
+    out = tmp_path_factory.mktemp("verify-quick")
+    # The device tests' collection is covered by the full dry run above.
+    done = subprocess.run([sys.executable, "-m", "swapopt.verify", "--quick", "--dry-run", "--skip-device-tests",
+                           "--no-progress", "--out", str(out)], cwd=ROOT, env=_env(), capture_output=True, text=True,
+                          timeout=900)
+    return done, out
+
+
+def test_quick_dry_run_runs_every_phase_under_its_limit_and_writes_few_files(quick_run):
+    done, out = quick_run
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    files = sorted(p.name for p in out.iterdir())
+    assert len(files) <= 8, files
+    (json_path,) = out.glob("sim-h100-*-verify-quick.json")
+    assert {json_path.stem + s for s in (".md", "-copies.png", "-preset.json")} <= set(files)
+    report = json.loads(json_path.read_text())
+    assert report["quick"] is True and report["plan"]["limits"]
+    by_name = {p["name"]: p for p in report["phases"]}
+    for name in ("calibration", "quick table", "layouts", "end to end"):
+        assert by_name[name]["status"] == "ok" and by_name[name]["limit_s"] > 0, by_name[name]
+    assert by_name["device tests"]["status"] == "skipped: --skip-device-tests"
+    assert by_name["modeled on the calibrated simulator"]["status"].startswith("skipped: left to a CPU machine")
+    assert by_name["capacity"]["status"] in ("ok",) or by_name["capacity"]["status"].startswith("skipped: ")
+    assert report["modeled_calibration"] is None and report["peers"] == []
+    # the quick table on the simulator has a torchao row that stepped, with its proof
+    (size,) = report["measured"]["sizes"]
+    rows = {r["kind"]: r for r in size["rows"]}
+    assert "torchao-offload" in rows
+    for r in rows.values():
+        assert r["error"] is None and r["step_ms"] > 0, r
+        assert r["params_changed"] == r["params_total"] and r["h2d_bytes"] >= r["need_h2d_bytes"]
+    assert report["measured"]["layouts"] and report["measured"]["e2e"]
+    assert "python -m swapopt.verify --model" in (out / f"{json_path.stem}.md").read_text()
+
+
+def test_model_adds_the_modeled_side_to_a_quick_report(quick_run):
+    done, out = quick_run
+    assert done.returncode == 0
+    (json_path,) = out.glob("sim-h100-*-verify-quick.json")
+    before = set(p.name for p in out.iterdir())
+    run = subprocess.run([sys.executable, "-m", "swapopt.verify", "--model", str(json_path)], cwd=ROOT, env=_env(),
+                         capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    assert "with the preset this report's calibration wrote" in run.stdout
+    assert set(p.name for p in out.iterdir()) == before  # the same report, rewritten in place
+    report = json.loads(json_path.read_text())
+    assert report["modeled_calibration"] and report["modeled"]["sizes"] and report["modeled"]["layouts"]
+    phase = report["phases"][-1]
+    assert phase["name"] == "modeled on the calibrated simulator" and phase["status"] == "ok"
+    assert any(n.startswith("modeled side: added") for n in report["notes"])
+    from swapopt.verify.report import VerifyReport
+
+    rows = [r for r in VerifyReport.model_validate(report).comparisons() if r.ratio is not None]
+    # calibrated on the simulator, modeled by it: single-direction copies read back exactly
+    copies = [r for r in rows if r.section == "copies" and "both" not in r.item]
+    assert copies and all(r.ratio == pytest.approx(1.0, rel=1e-3) for r in copies)
+    assert any(r.section.startswith("quick table") for r in rows)
+    text = (out / f"{json_path.stem}.md").read_text()
+    assert "## Measured and modeled" in text and "Modeled: not run yet" not in text
+
+
+def test_model_of_the_committed_h100_report_uses_its_calibration_and_plan(tmp_path):
+    from swapopt.verify.report import VerifyReport
+    from swapopt.verify.run import modeled_preset, plan_of
+
+    path = ROOT / "bench" / "results" / "cuda-h100-2026-11-26-verify-b.json"
+    report = VerifyReport.model_validate_json(path.read_text())
+    assert report.label.startswith("cuda-NVIDIA-H100") and not report.dry_run
+    plan = plan_of(report)  # written before plans were stored: rebuilt from what the report shows
+    assert plan.calibration.copy_sizes == [p.nbytes for p in report.calibration.copies]
+    assert plan.layouts == ["llama7b", "moe", "fsdp256", "tiny10k"] and not plan.model_e2e
+    preset_path, how = modeled_preset(report, path, None, tmp_path)
+    preset = load_preset(preset_path)
+    assert "calibration wrote" in how and preset.name == "cuda-NVIDIA-H100-80GB-HBM3-2026-11-26"
+    assert preset.h2d_gbps == pytest.approx(report.calibrated_preset["h2d_gbps"])
+    _, how = modeled_preset(report, path, "h100", tmp_path)
+    assert "--preset" in how
+
+
+def test_model_refuses_a_report_without_calibration(tmp_path):
+    from swapopt.verify.__main__ import main as verify_main
+
+    path = ROOT / "bench" / "results" / "cuda-h100-2026-11-26-verify-b.json"
+    data = json.loads(path.read_text())
+    data["calibration"] = None
+    bad = tmp_path / "r.json"
+    bad.write_text(json.dumps(data))
+    assert verify_main(["--model", str(bad)]) == 2
+    assert verify_main(["--model", str(tmp_path / "missing.json")]) == 2

@@ -183,3 +183,21 @@ def test_use_swapopt_without_xtuner_says_what_to_do(monkeypatch):
     monkeypatch.setitem(sys.modules, "xtuner.v1.config.optim", None)  # None in sys.modules: ImportError
     with pytest.raises(ImportError, match=r"could not be imported.*SWAPOPT|PYTHONPATH.*integrations\.xtuner import"):
         use_swapopt()
+
+
+def test_explicit_import_alone_leaves_resident_states_on_the_device_through_rl_offload(pg):
+    # The explicit route builds swapopt but hooks nothing in XTuner's engine (docs/xtuner.md): XTuner's worker skips
+    # its optimizer offload when swap_optimizer is set, so states kept by resident_mb stay where they are.
+    from swapopt.integrations.xtuner import AdamWConfig
+
+    engine = engine_cls()(AdamWConfig(**CFG, swap_optimizer=True, swap_optimizer_times=3, resident_mb=64))
+    train(engine, 0, 2)
+    opt = engine.optimizer
+    assert isinstance(opt, SwapOptimizer)
+    opt.wait_for_swap_out()
+    resident = sum(v.numel() for st in opt.state.values() for v in st.values()
+                   if isinstance(v, torch.Tensor) and not device.is_host_tensor(v))
+    assert resident > 0
+    TrainWorker(engine).offload_optimizer()
+    assert sum(v.numel() for st in opt.state.values() for v in st.values()
+               if isinstance(v, torch.Tensor) and not device.is_host_tensor(v)) == resident

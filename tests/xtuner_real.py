@@ -28,28 +28,3 @@ def xtuner_module(name: str):
         return importlib.import_module(name)
     except ImportError:
         return None
-
-
-def _import_xtuner_on_the_simulator() -> None:
-    """XTuner resolves its device once, at import, and knows only cpu, cuda, npu and mlu: under
-    ``SWAPOPT_DEVICE=sim`` (subprocess ranks) the accelerator is ``sim`` and the import fails. Import it as if on
-    the CPU, then point its SwapAdamW's module-level device at the simulator, the only XTuner code tested here
-    that moves tensors itself."""
-    import torch
-
-    import device  # under SWAPOPT_DEVICE=sim this starts the simulator, which XTuner would then see
-
-    if not torch.accelerator.is_available() or torch.accelerator.current_accelerator().type in ("cuda", "npu"):
-        return
-    real = torch.accelerator.current_accelerator
-    torch.accelerator.current_accelerator = lambda *a, **k: torch.device("cpu")
-    try:
-        swap_adamw = xtuner_module("xtuner.v1.optim.swap_adamw")
-    finally:
-        torch.accelerator.current_accelerator = real
-    if swap_adamw is not None:
-        swap_adamw.DEVICE = device.torch_device().type
-        swap_adamw.DEVICE_MODULE = device.get_torch_device_module()
-
-
-_import_xtuner_on_the_simulator()

@@ -129,6 +129,40 @@ def _overload(packet: Any, args: tuple, kwargs: dict) -> Any:
 _KERNELS = torch.library.Library("aten", "IMPL")
 
 
+def _op_kernel(op: Any, *args: Any, **kwargs: Any) -> Any:
+    """A backend kernel registered for one overload (cpu_kernel_composites): run as _backend_kernel runs its ops."""
+    from device.sim.active import active
+    from device.sim.tensor import SimTensor, plain_dispatch
+
+    sim = active()
+    if sim is None or not sim.typed:
+        return plain_dispatch(op, args, kwargs)
+    with sim._lock:
+        return sim._dispatch(op, (SimTensor,), args, kwargs)
+
+
+def cpu_kernel_composites() -> list[str]:
+    """aten ops (overload names) that have a CPU kernel, a derivative formula (VariableType) and, for every other
+    backend, a CompositeImplicitAutograd decomposition (silu_backward, mish_backward, native_channel_shuffle in
+    torch 2.13). A backend with no kernel of its own gets the decomposition at its Autograd key, before any
+    dispatch mode sees the op, so the simulated device would compute with other ops than the CPU does (and than
+    CUDA, which has its own kernel), and round differently (silu_backward by up to 4.8e-7). A PrivateUse1 kernel
+    makes the dispatcher take the derivative formula instead, and the op itself reaches the simulator, which runs
+    the CPU kernel."""
+    found = []
+    C = torch._C
+    for name in C._dispatch_get_all_op_names():
+        if not name.startswith("aten::"):
+            continue
+        if not (C._dispatch_has_kernel_for_dispatch_key(name, "CPU")
+                and C._dispatch_has_kernel_for_dispatch_key(name, "CompositeImplicitAutograd")):  # fmt: skip
+            continue
+        autograd = [line for line in C._dispatch_dump(name).splitlines() if line.startswith("Autograd[alias]")]
+        if autograd and "VariableType" in autograd[0]:
+            found.append(name.removeprefix("aten::"))
+    return found
+
+
 def _npu_package(module: DeviceModule) -> types.ModuleType:
     """An importable `torch_npu` whose `npu` is torch.npu, as the real package presents it."""
     pkg = types.ModuleType("torch_npu")
@@ -173,10 +207,18 @@ def register(flavour: str) -> None:
     torch._C._acc.register_python_privateuseone_device_guard(_Guard())
     for name in _BACKEND_OPS:
         _KERNELS.impl(name, functools.partial(_backend_kernel, getattr(torch.ops.aten, name.split(".")[0])), "PrivateUse1")
+    for name in cpu_kernel_composites():  # the CPU's kernel, not a decomposition (cpu_kernel_composites)
+        packet, _, overload = name.partition(".")
+        op = getattr(getattr(torch.ops.aten, packet), overload or "default")
+        _KERNELS.impl(name, functools.partial(_op_kernel, op), "PrivateUse1")
+    from device.sim import kernels
+
+    _KERNELS.impl("scaled_dot_product_attention", kernels.sdpa_kernel, "AutogradPrivateUse1")  # the CPU's choice
     if flavour == "npu" and "torch_npu" not in sys.modules:
-        from device.sim import npu_amp
+        from device.sim import npu_amp, npu_ops
 
         sys.modules["torch_npu"] = _npu_package(module)
+        npu_ops.install(sys.modules["torch_npu"])  # the torch_npu names frameworks import (device.sim.npu_ops)
         sys.modules["torch_npu.npu"] = sys.modules["torch.npu"] = module  # torch.npu is torch_npu.npu
         module.amp = sys.modules["torch_npu.npu.amp"] = npu_amp.module()  # torch.npu.amp.GradScaler
     _REGISTERED.append(flavour)

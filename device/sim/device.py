@@ -26,9 +26,12 @@ host states of device params to device memory.
 
 from __future__ import annotations
 
+import atexit
+import bisect
 import math
 import os
 import threading
+import time
 import traceback
 import weakref
 from collections.abc import Iterator
@@ -41,21 +44,23 @@ import torch
 from loguru import logger
 from torch._subclasses.fake_tensor import FakeTensor
 
-from device.sim import entry_points, kernels
+from device.sim import entry_points, kernels, npu_ops
 from device.sim.costs import op_flops
 from device.sim.backend import backend_name, register, registered_flavour
 from device.sim.dispatch import DEVICE, HOST_MEM, HOST_OUT, PAGEABLE, PINNED_OUT, check_same_device, op_lane
 from device.sim.dispatch import Arg as _Arg
 from device.sim.dispatch import StorageInfo as _Storage
 from device.sim.host_time import counted_methods
-from device.sim.memory import Block, DeviceMemory
+from device.sim.host_memory import REGISTER_THREADS, HostMemory, capacity_from_env, power_of_two
+from device.sim.memory import Block, DeviceMemory, pool_of
 from device.sim.active import _ACTIVE, active
 from device.sim.modes import _STREAM_TAG, _SimMode, _StreamTagMode
 from device.sim.ops import OpInfo, arg_value, byte_range, factory_bytes, new_outputs, op_info, strided_layout, tensors
 from device.sim.presets import PRESETS, SimPreset, get_preset
-from device.sim.sanitizer import HOST, Access, Clock, Clocks, StreamRaceError, race_error, where
+from device.sim.sanitizer import HOST, Access, Clock, Clocks, StreamRaceError, race_error, reused_use
 from device.sim.streams import SimEvent, SimStream, canonical, fresh_object
 from device.sim.tensor import _CPU, _MIX_FREE, SimTensor, _check_same_device, _sync_metadata, _unwrap, wrap_outputs
+from device.sim.tensor import check_fused_optimizer, is_fused_optimizer
 from device.sim.timeline import Timeline, TimelineOp
 
 __all__ = [
@@ -88,6 +93,19 @@ def _fmt_bytes(n: float) -> str:
 
 
 _PROCESS: list[SimDevice] = []
+_AT_EXIT: list[bool] = []
+_SETTLE_S = 0.05  # how long the exit lets a collective's worker thread finish letting go
+
+
+def _settle_collectives() -> None:
+    """At exit, before the interpreter begins finalizing (Note [collective tensors at exit]): let go of the held
+    tensors only the simulator still holds, then give up the GIL for a moment, so that a gloo worker still
+    letting go of a finished collective (and waiting for the GIL to do so) does it now."""
+    sims = [s for s in (*_PROCESS, *_ACTIVE) if s._collectives]
+    for sim in sims:
+        sim._release_collectives()
+    if sims:
+        time.sleep(_SETTLE_S)
 
 
 # Host work of the simulator's own bookkeeping, which a device does not do: device.host_time counts it.
@@ -146,7 +164,16 @@ class SimDevice:
         self._first_uid: dict[int, int] = {}  # storages free_storage emptied (alive, maybe given memory again): their id
         self._live_host = 0
         self._peak_host = 0
-        self._host_costs: dict[int, int] = {}  # npu flavour: live pinned storage id -> bytes it takes
+        self._host_costs: dict[int, int] = {}  # live pinned storage id -> host bytes it takes (_host_cost)
+        # The host's RAM as the pinned host allocators see it (device/sim/host_memory.py): SWAPOPT_SIM_HOST_MB or
+        # the preset's host_capacity_bytes; storages of registered_empty (by id) count at their true size.
+        self.host_mem = HostMemory(
+            capacity_from_env(self.preset.host_capacity_bytes), self._pinned_rounding, self.flavour,
+            self.preset.pin_gbps,
+        )
+        self._registered: set[int] = set()
+        self._registering = 0  # while registered_empty allocates: its threads (-1: pinned later), else 0
+        self._unpinned: dict[int, int] = {}  # registered_empty(pin=False) storages not yet pinned -> bytes
         self._actor_names = ["host"]
         self._host_alloc = 0
         self._labels: list[str] = []
@@ -158,8 +185,16 @@ class SimDevice:
         self._tls = threading.local()
         self._lock = threading.RLock()
         self._late_frees: list[tuple[int, int]] = []
+        # Note [collective tensors at exit]: tensors a collective took, by id, until no C++ holder is left.
+        self._held: dict[int, tuple[torch.Tensor, torch.Tensor, Any]] = {}  # id -> (tensor, CPU tensor, storage)
+        self._collectives = False  # whether a collective ran here
+        self._held_lock = threading.Lock()
+        # Note [aliases of host memory]: live pinned storages by the address their memory starts at.
+        self._host_starts: list[int] = []  # sorted
+        self._host_spans: dict[int, tuple[int, weakref.ref, int]] = {}  # start -> (end, storage, key)
+        self._host_at: dict[int, int] = {}  # key -> start
         # Note [free and reuse]: per allocation stream, blocks freed while another stream may still use them.
-        self._hazards: dict[int, list[tuple[Access, int, int]]] = {}
+        self._hazards: dict[int, list[tuple[Access, int, int, str]]] = {}  # (use, freed id, bytes, pool)
         self._host_actors = {HOST}
         # Stacks of accesses, for StreamRaceError.earlier_stack; off by default (it costs per op).
         self.stacks = os.environ.get("SWAPOPT_SIM_STACKS", "0") not in ("", "0")
@@ -321,6 +356,8 @@ class SimDevice:
         return self._mem_of(self.current_device())
 
     def _memory(self, device: Any = None) -> DeviceMemory:
+        if self._held:
+            self._release_collectives()  # what only the simulator holds is no longer allocated
         if self._late_frees:
             with self._lock:
                 self._drain_frees()
@@ -351,6 +388,7 @@ class SimDevice:
     def empty_cache(self) -> None:
         for index in list(self._mems):
             self._memory(index).empty_cache()
+        self.host_mem.empty_cache()  # torch.cuda.empty_cache also frees the caching host allocator's free blocks
 
     def mem_get_info(self, device: Any = None) -> tuple[int, int]:
         return max(self.capacity_bytes - self._memory(device).reserved, 0), self.capacity_bytes
@@ -389,7 +427,8 @@ class SimDevice:
         return info is None or info.kind != DEVICE
 
     def pinned_empty(self, size: Any, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """A CPU tensor registered as pinned host memory (not counted as device memory)."""
+        """A CPU tensor registered as pinned host memory (not counted as device memory), taken from the host
+        as the caching host allocator takes it (rounded, _host_cost)."""
         self._host_alloc += 1
         try:
             t = torch.empty(size, dtype=dtype, device="cpu")
@@ -400,23 +439,85 @@ class SimDevice:
             self._register(storage, HOST_MEM)
         return t
 
-    def _host_cost(self, info: _Storage) -> int:
-        """Host bytes a pinned allocation takes: the npu flavour rounds as torch_npu's host allocator does
-        (device.npu_pinned_bytes, under PYTORCH_NPU_ALLOC_CONF as it is at allocation); kept until the free."""
+    def registered_empty(self, nbytes: int, threads: int = REGISTER_THREADS, pin: bool = True) -> torch.Tensor:
+        """``nbytes`` of host memory the program allocates itself and registers (cudaHostRegister; what
+        device.host_empty does on hardware): pinned like pinned_empty's and counted at its true size in whole
+        pages from the start (its pages are written before it is pinned); pinning it costs modeled host time
+        at ``threads`` times the preset's rate, now or, with ``pin=False``, at pin_registered."""
+        with self._lock:
+            self._registering = max(int(threads), 1) if pin else -1
+            try:
+                t = self.pinned_empty((int(nbytes),), torch.uint8)
+            finally:
+                self._registering = 0
+        if not pin:
+            self._unpinned[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
+        return t
+
+    def pin_registered(self, buffers: list[torch.Tensor], threads: int = REGISTER_THREADS) -> None:
+        """Register registered_empty(..., pin=False) buffers: the modeled time of pinning their bytes."""
+        nbytes = sum(self._unpinned.pop(b.untyped_storage()._cdata, 0) for b in buffers)
+        if nbytes:
+            self._timeline.host_us += self.host_mem.pin_us(nbytes, threads)
+
+    def _pinned_rounding(self, nbytes: int) -> int:
+        """Host bytes a pinned allocation of ``nbytes`` takes: the cuda flavour rounds up to a power of two as
+        torch's CachingHostAllocator does, the npu flavour as torch_npu's (device.npu_pinned_bytes, under
+        PYTORCH_NPU_ALLOC_CONF as it is at allocation)."""
         if self.flavour != "npu":
-            return info.nbytes
+            return power_of_two(nbytes)
         from device import npu_pinned_bytes  # the package above the simulator; imported by then
 
-        cost = self._host_costs[info.uid] = npu_pinned_bytes(info.nbytes)
+        return npu_pinned_bytes(nbytes)
+
+    def _host_cost(self, info: _Storage) -> int:
+        """Host bytes a pinned allocation takes (``host_mem``: rounded and cached as the caching host
+        allocator does, or at its true size while registered_empty allocates); kept until the free. Past the
+        host's capacity it fails as the driver does, and the storage is then not counted as pinned. Pinning
+        new bytes costs host time at the preset's pin_gbps per thread."""
+        try:
+            if self._registering:
+                cost, fresh = self.host_mem.register(info.nbytes), True
+                self._registered.add(info.uid)
+            else:
+                cost, fresh = self.host_mem.pin(info.nbytes)
+        except RuntimeError:
+            info.kind = PAGEABLE  # nothing was pinned: its free gives nothing back
+            raise
+        self._host_costs[info.uid] = cost
+        if fresh and cost and self._registering >= 0:
+            self._timeline.host_us += self.host_mem.pin_us(cost, self._registering or 1)
+        return cost
+
+    def _host_release(self, info: _Storage) -> int:
+        """A pinned storage died: the bytes it took leave the host's count (registered memory) or go to the
+        caching allocator's free blocks (pinned memory, until empty_cache)."""
+        cost = self._host_costs.pop(info.uid, 0)
+        if info.uid in self._registered:
+            self._registered.discard(info.uid)
+            self.host_mem.unregister(cost)
+        else:
+            self.host_mem.unpin(cost)
         return cost
 
     def host_memory_allocated(self) -> int:
-        """Live bytes of pinned host memory (pinned_empty, pin_memory=True, Tensor.pin_memory()), as the host
-        allocator takes them (rounded on the npu flavour, _host_cost)."""
+        """Live bytes of pinned host memory (pinned_empty, pin_memory=True, Tensor.pin_memory(), registered_empty),
+        as the host allocator takes them (rounded, _host_cost; registered memory at its true size)."""
         return self._live_host
 
     def max_host_memory_allocated(self) -> int:
         return self._peak_host
+
+    def host_memory_reserved(self) -> int:
+        """Host RAM held for pinned memory: live allocations plus the free blocks the caching allocator keeps."""
+        return self.host_mem.held
+
+    def max_host_memory_reserved(self) -> int:
+        return self.host_mem.peak
+
+    def host_available(self) -> int:
+        """Host RAM not held for pinned memory (the simulated host's capacity less host_memory_reserved)."""
+        return self.host_mem.available()
 
     def record_stream(self, t: torch.Tensor, stream: SimStream) -> None:
         """Like Tensor.record_stream: freeing t's storage is safe with respect to work queued on `stream`."""
@@ -598,6 +699,8 @@ class SimDevice:
         storage = t.untyped_storage()
         info = self._lookup(storage)
         if info is None:
+            t, storage, info = self._alias(t, storage)  # Note [aliases of host memory]
+        if info is None:
             return
         arg = _Arg(t, storage, info, "r")
         if info.kind == DEVICE:
@@ -610,6 +713,102 @@ class SimDevice:
         else:
             host = self._host()
             self._check_and_log(what, [(arg, host, self._clocks.tick(host))])
+
+    def _is_pinned(self, t: torch.Tensor) -> bool:
+        """Tensor.is_pinned(): pinned memory, through an alias too (CUDA asks the host allocator by address)."""
+        storage = t.untyped_storage()
+        info = self._lookup(storage)
+        if info is None:
+            info = self._alias(t, storage)[2]
+        return info is not None and info.kind == HOST_MEM
+
+    def _index_host(self, storage: Any, key: int) -> None:
+        """Note [aliases of host memory]: a live pinned storage, found by address from now on."""
+        start, nbytes = storage.data_ptr(), storage.nbytes()
+        if not nbytes or start in self._host_spans:
+            return
+        bisect.insort(self._host_starts, start)
+        self._host_spans[start] = (start + nbytes, weakref.ref(storage), key)
+        self._host_at[key] = start
+
+    def _unindex_host(self, key: int) -> None:
+        start = self._host_at.pop(key, None)
+        if start is None or self._host_spans.get(start, (0, None, None))[2] != key:
+            return
+        del self._host_spans[start]
+        del self._host_starts[bisect.bisect_left(self._host_starts, start)]
+
+    def _alias(self, t: torch.Tensor, storage: Any) -> tuple[torch.Tensor, Any, _Storage | None]:
+        """Note [aliases of host memory]: (t, storage, None) for memory of no tracked storage; for a tensor
+        whose storage is not tracked but whose bytes lie in a live pinned storage, that storage and t as a view
+        of it (the same elements), so that its accesses are judged on the memory they touch."""
+        starts = self._host_starts
+        if not starts or t.layout is not torch.strided or t.device.type != "cpu":
+            return t, storage, None
+        try:
+            ptr = storage.data_ptr()
+        except RuntimeError:  # a wrapper subclass's storage holds no memory of its own
+            return t, storage, None
+        i = bisect.bisect_right(starts, ptr) - 1
+        if i < 0:
+            return t, storage, None
+        start = starts[i]
+        end, ref, key = self._host_spans[start]
+        rng = byte_range(t)
+        if ptr >= end or rng is None:
+            return t, storage, None
+        base = ref()
+        info = self._storages.get(key)
+        delta = ptr - start
+        if (
+            base is None or info is None or ptr + rng[1] > end
+            or base.data_ptr() != start or start + base.nbytes() != end  # moved (share_memory_) or resized
+        ):
+            return t, storage, None
+        itemsize = t.element_size()
+        with torch.utils._python_dispatch._disable_current_modes():
+            if delta % itemsize == 0:
+                view = torch.empty(0, dtype=t.dtype, device="cpu").set_(
+                    base, t.storage_offset() + delta // itemsize, t.shape, t.stride()
+                )
+            else:  # bytes not aligned to its dtype in the pinned storage: the same bytes, element by element
+                view = torch.empty(0, dtype=torch.uint8, device="cpu").set_(
+                    base, t.storage_offset() * itemsize + delta, (*t.shape, itemsize),
+                    (*(s * itemsize for s in t.stride()), 1),
+                )
+        return view, base, info
+
+    def _hold_collective(self, args: tuple, kwargs: dict, out: Any) -> None:
+        """Note [collective tensors at exit]: keep the tensors a collective took or returned (for a SimTensor,
+        the wrapper, which keeps the CPU tensor the backend got) until no C++ holder of theirs is left."""
+        self._collectives = True
+        found: list[torch.Tensor] = []
+        for value in (*args, *kwargs.values(), out):
+            _collect_tensors(value, found)
+        for t in found:
+            self._hold(t)
+
+    def _hold(self, t: torch.Tensor) -> None:
+        inner = t._elem if type(t) is SimTensor else t
+        if inner.layout is not torch.strided:
+            return
+        storage = inner.untyped_storage()  # its Python object: C++'s last release of it would take the GIL
+        with self._held_lock:
+            self._held[id(inner)] = (t, inner, storage)
+
+    def _release_collectives(self, everything: bool = False) -> None:
+        """Let go of the held tensors nothing but this simulator still holds (``everything``: all of them);
+        each is freed, if nothing else holds it, here on this thread."""
+        use_count = torch._C._storage_Use_Count
+        with self._held_lock:
+            # Nothing else holds the tensor, and its storage only it and the storage's own Python object (a
+            # view a collective's work made of it would be one more).
+            done = [
+                key for key, (_, inner, storage) in self._held.items()
+                if everything or (inner._use_count() <= 1 and use_count(storage._cdata) <= 2)
+            ]
+            dropped = [self._held.pop(key) for key in done]
+        del dropped  # outside the lock: a free runs the storage's finalizer
 
     def _adopt(self, storage: Any, like: _Storage | None) -> None:
         """A storage made outside the dispatcher as a copy of one whose kind is `like` (deepcopy, clone)."""
@@ -638,12 +837,12 @@ class SimDevice:
     def _saved(self, storage: Any) -> bool:
         """torch.save reads a whole storage on the host; whether it is device memory (saved as such)."""
         info = self._lookup(storage)
-        if info is None:
+        if info is None and not self._host_starts:
             return False
         with torch.utils._python_dispatch._disable_current_modes():
             t = torch.empty(0, dtype=torch.uint8, device="cpu").set_(storage)
-        self._host_read(t, "torch.save")
-        return info.kind == DEVICE
+        self._host_read(t, "torch.save")  # of a storage aliasing pinned memory too (Note [aliases of host memory])
+        return info is not None and info.kind == DEVICE
 
     def _to_param_device(self, param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """torch's Optimizer.load_state_dict casts states to param.device: a host state of a device param is
@@ -673,18 +872,14 @@ class SimDevice:
         info = _Storage(uid or self._uid, kind, storage.nbytes(), actor)
         self._storages[key] = info
         if kind == DEVICE:
-            if self._hazards and self.sanitize:
-                try:
-                    self._check_reuse(actor)
-                except StreamRaceError:
-                    del self._storages[key]
-                    raise
             info.index = self.current_device() if index is None else index
             block = self._memory(info.index).allocate(info.nbytes)
             if block is None:
                 del self._storages[key]
                 raise self._oom(info.nbytes, info.index)
             info.block = block
+            if self._hazards and self.sanitize:
+                self._check_reuse(actor, info)
         if uid is not None:
             return info
         finalizer = weakref.finalize(storage, self._on_free, key, info.uid)
@@ -692,6 +887,7 @@ class SimDevice:
         if kind == HOST_MEM:
             self._live_host += self._host_cost(info)
             self._peak_host = max(self._peak_host, self._live_host)
+            self._index_host(storage, key)
         return info
 
     def _forget(self, storage: Any) -> None:
@@ -726,7 +922,8 @@ class SimDevice:
             return
         del self._storages[key]
         if info.kind == HOST_MEM:
-            self._live_host -= self._host_costs.pop(info.uid, info.nbytes)
+            self._live_host -= self._host_release(info)
+            self._unindex_host(key)
         if info.kind != DEVICE:
             return
         # The caching allocator reuses a block freed after record_stream only once the recorded streams'
@@ -752,33 +949,35 @@ class SimDevice:
                 continue
             if alloc_clock.get(rec.actor, 0) >= rec.epoch or host_clock.get(rec.actor, 0) >= rec.epoch:
                 continue
-            self._hazards.setdefault(info.alloc_actor, []).append((rec, info.uid, info.nbytes))
+            if rec.freed is not None:  # an earlier block's use, inherited: that block's own hazard still stands
+                continue
+            hazard = (rec, info.uid, info.nbytes, pool_of(info.nbytes))
+            self._hazards.setdefault(info.alloc_actor, []).append(hazard)
             return
 
-    def _check_reuse(self, actor: int) -> None:
-        """Stream `actor` allocates: the caching allocator may hand it a block freed with a hazard, so each
-        hazard must by now be ordered before this stream (or seen done by the host), else it is a race."""
-        hazards = self._hazards.pop(actor, None)
-        if not hazards:
+    def _check_reuse(self, actor: int, info: _Storage) -> None:
+        """Stream `actor` allocates `info`: the caching allocator may hand it a block of the same pool freed
+        with a hazard (Note [free and reuse]). Each hazard not yet ordered before this stream (nor seen done by
+        the host) goes into the new block's log as the old use, so the first access to the new memory that
+        nothing orders after that use is the race; hazards ordered by now are dropped."""
+        hazards = self._hazards.get(actor)
+        if not hazards or not info.nbytes:
             return
         clock = self._clocks.clock(actor)
         host_clock = self._clocks.clock(self._host())
-        for rec, uid, nbytes in hazards:
+        pool = pool_of(info.nbytes)
+        pending = []
+        for hazard in hazards:
+            rec, uid, nbytes, freed_pool = hazard
             if clock.get(rec.actor, 0) >= rec.epoch or host_clock.get(rec.actor, 0) >= rec.epoch:
                 continue
-            stream = self._actor_names[actor]
-            raise StreamRaceError(
-                f"a device tensor of shape {tuple(rec.shape)} ({nbytes} bytes, storage #{uid}) allocated on "
-                f"{stream} was freed while {rec.op} on {where(rec, self._actor_names)} may still use it, and "
-                f"{stream} allocates again, which may hand that memory out; call device.record_stream(t, stream) "
-                f"before dropping it or make {stream} wait for that stream first",
-                kind="free",
-                earlier=rec,
-                stream=stream,
-                earlier_stream=self._actor_names[rec.actor],
-                storage=uid,
-                nbytes=nbytes,
-            )
+            pending.append(hazard)
+            if freed_pool == pool:
+                info.log.records.append(reused_use(rec, uid, nbytes, info.nbytes))
+        if pending:
+            self._hazards[actor] = pending
+        else:
+            del self._hazards[actor]
 
     def _oom(self, need: int, index: int | None = None) -> OutOfMemoryError:
         index = self.current_device() if index is None else index
@@ -819,9 +1018,12 @@ class SimDevice:
 
     # ----- the dispatch mode -------------------------------------------------------------------
     def _start(self) -> None:
+        if not _AT_EXIT:  # Note [collective tensors at exit]
+            atexit.register(_settle_collectives)
+            _AT_EXIT.append(True)
         _ACTIVE.append(self)
         entry_points.install()
-        entry_points.present_cuda(self if self.typed and self.flavour == "cuda" else None)
+        entry_points.present_cuda(self if entry_points.routes_cuda(self) else None)
         self._mode.__enter__()
         self._grad_mode.__enter__()
         self._multithreading = torch._C._is_multithreading_enabled()
@@ -829,12 +1031,13 @@ class SimDevice:
         logger.debug("simulated device {} active", self.preset.name)
 
     def _stop(self) -> None:
+        self._release_collectives(everything=True)  # the process goes on: a late worker may take the GIL
         torch._C._set_multithreading_enabled(self._multithreading)
         self._grad_mode.__exit__(None, None, None)
         self._mode.__exit__(None, None, None)
         _ACTIVE.remove(self)
         inner = active()
-        entry_points.present_cuda(inner if inner is not None and inner.typed and inner.flavour == "cuda" else None)
+        entry_points.present_cuda(inner if entry_points.routes_cuda(inner) else None)
         if not _ACTIVE:
             entry_points.uninstall()
 
@@ -870,6 +1073,8 @@ class SimDevice:
     def _dispatch(self, func: Any, types: tuple, args: tuple, kwargs: dict) -> Any:
         if self._late_frees:
             self._drain_frees()
+        if self._held:
+            self._release_collectives()
         if func.namespace == "profiler":
             return self._profiler_op(func, args, kwargs)
         for t in types:
@@ -883,8 +1088,7 @@ class SimDevice:
             return self._typed_dispatch(func, args, kwargs)
         packet = func.overloadpacket
         if packet is torch.ops.aten.is_pinned:
-            info = self._lookup(args[0].untyped_storage())
-            return info is not None and info.kind == HOST_MEM
+            return self._is_pinned(args[0])
         if packet is torch.ops.aten._pin_memory or kwargs.get("pin_memory"):
             return self._pinned_alloc(func, args, kwargs)
         return self._run(func, args, kwargs)
@@ -892,11 +1096,12 @@ class SimDevice:
     # ----- typed device tensors (Note [simulated device type]) ---------------------------------
     def _route(self, device: Any) -> int:
         """The placement a `device=` argument names: a device index, or HOST_OUT for the host. The cuda
-        flavour takes "cuda" for its own device type, as code written for CUDA names it."""
+        flavour takes "cuda" for its own device type, as code written for CUDA names it, and so does the npu
+        flavour after torch_npu.contrib.transfer_to_npu is imported, as torch_npu's does."""
         d = device if isinstance(device, torch.device) else torch.device(device)
         if d.type == "cpu":
             return HOST_OUT
-        if d.type == self.backend or (d.type == "cuda" and self.flavour == "cuda"):
+        if d.type == self.backend or (d.type == "cuda" and (self.flavour == "cuda" or npu_ops.cuda_to_npu())):
             index = self._index(d)
             return self.current_device() if index is None else index
         raise RuntimeError(
@@ -905,6 +1110,11 @@ class SimDevice:
         )
 
     def _typed_dispatch(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        fused = is_fused_optimizer(func)
+        if fused and not (self.flavour == "npu" and kernels.npu_kind(func) == kernels.CPU_FALLBACK):
+            # CUDA's rule for these kernels (device.sim.tensor._FUSED_OPTIMIZERS). torch_npu's CPU fallback copies
+            # every argument to the host first, so there host tensors of any shape are fine.
+            check_fused_optimizer(func, args, kwargs)
         found: list[SimTensor] = []
         hosts: list[torch.Tensor] = []
         args = tuple([_unwrap(a, found, hosts) for a in args])
@@ -921,13 +1131,12 @@ class SimDevice:
             place = found[0].device.index
         else:
             place = HOST_OUT
-        if found and not (packet in _MIX_FREE or op_info(func).copy):
+        if found and not (fused or packet in _MIX_FREE or op_info(func).copy):
             _check_same_device(func, found, hosts)
         if packet is torch.ops.aten.is_pinned:
             if found:
                 return False
-            info = self._lookup(args[0].untyped_storage())
-            return info is not None and info.kind == HOST_MEM
+            return self._is_pinned(args[0])
         if packet is torch.ops.aten._pin_memory or kwargs.get("pin_memory"):
             # Only host memory can be pinned: pinning a device tensor, or a pinned result on the device, is
             # refused as CUDA refuses it; a pinned host result shaped like a device tensor
@@ -1007,6 +1216,8 @@ class SimDevice:
                     continue
                 storage = t.untyped_storage()
                 info = self._lookup(storage)
+                if info is None and self._host_starts and role != "v":
+                    t, storage, info = self._alias(t, storage)  # Note [aliases of host memory]
                 if info is None and role != "v" and t.numel() and storage._cdata in self._first_uid:
                     raise RuntimeError(
                         f"{func} used a device tensor of shape {tuple(t.shape)} whose memory free_storage gave "
@@ -1136,7 +1347,9 @@ class SimDevice:
         else:
             nbytes = sum(a.tensor.nbytes for a in accesses if a.writes) + sum(t.nbytes for t in new)
         flops = op_flops(func, args, kwargs) if lane == "compute" else None
-        timed = self._timeline.launch(stream.name, stream.tail_us, lane, nbytes, op.name, self._label(), flops)
+        # The tensors it takes set the host's cost of issuing it (Note [host clock] in device/sim/timeline.py).
+        timed = self._timeline.launch(stream.name, stream.tail_us, lane, nbytes, op.name, self._label(), flops,
+                                      tensors=len(tensor_args))
         stream.tail_us = timed.end_us
         if blocking:
             self._clocks.merge_actor(host, stream.actor)
@@ -1182,8 +1395,11 @@ class SimDevice:
             rng = byte_range(a.tensor)
             if rng is None:
                 continue
-            info = a.info if a.info is not None else self._register(a.storage, PAGEABLE)
-            a.info = info
+            if a.info is None:
+                a.info = self._register(a.storage, PAGEABLE)
+                if self._collectives:  # host memory C++ made: a collective's work may hold it
+                    self._hold(a.tensor)  # Note [collective tensors at exit]
+            info = a.info
             acc = Access(
                 rng[0], rng[1], a.writes, actor, epoch, name, label, a.tensor.shape, strided_layout(a.tensor), stack
             )
@@ -1200,17 +1416,67 @@ class SimDevice:
         if rng is not None:
             stack = traceback.format_stack()[:-3] if self.stacks else None
             acc = Access(rng[0], rng[1], True, stream.actor, epoch, name, self._label(), t.shape, None, stack)
+            if info.log.records and not name.endswith("(allocation)"):
+                # The op writes a block the allocator may have reused (Note [free and reuse]).
+                rec = info.log.conflict(acc, self._clocks)
+                if rec is not None:
+                    raise race_error(acc, rec, info.uid, info.nbytes, self._actor_names)
             info.log.add(acc, self._clocks)
 
 
 
+# Note [collective tensors at exit]
+# A gloo worker thread drops its references to a collective's tensors only after the caller's wait() has
+# returned. If the program has dropped them by then, the worker's is the last reference, and releasing a
+# tensor whose Python object C++ now owns (torch keeps it, and the simulator's finalizers on its storages)
+# takes the GIL on that worker. A thread that takes the GIL after the interpreter began finalizing is
+# stopped with pthread_exit, whose forced unwind crosses a noexcept frame (TensorImpl::decref_pyobject):
+# std::terminate, "terminate called without an active exception", after a correct program's last line.
+# So the simulator holds every tensor a collective took or returned (c10d ops through its dispatch mode)
+# until the use counts of the tensor and of its storage say no C++ holder is left (a work may hold a view
+# of it): the worker's release is then never the last reference (it takes no GIL), and the last one is
+# dropped on a thread that runs Python (the next op's dispatch, or a memory query). Host memory the
+# simulator first sees while collectives run (temporaries gloo made and ops in its wait() touch, which the
+# simulator then registers) is held the same way. Tensors a C++ object still holds at exit (a view's base,
+# an autograd node) stay held until the interpreter itself frees them on the main thread; leaving an
+# activate() block lets go of all of them. Last, at exit (an atexit hook, which runs before the interpreter
+# begins finalizing), a process that ran collectives gives up the GIL for a moment (_settle_collectives), so
+# that a worker still letting go of something the simulator does not hold does it then.
+
+# Note [aliases of host memory]
+# A tensor can reach a pinned storage's memory through a storage of its own: numpy() and torch.from_numpy,
+# torch.frombuffer, DLPack, UntypedStorage over the same address. CUDA judges memory, not storage objects:
+# a D2H copy into pinned memory races any host read of those bytes, whatever tensor makes it. So live pinned
+# storages are indexed by address (_index_host), and a tensor of an untracked storage whose bytes lie inside
+# one (_alias) is checked as the view of that storage it is: dispatched ops (_run), tolist / numpy / DLPack
+# (_host_read) and torch.save (_saved). Reads through a numpy array itself (numpy code, not torch) are not
+# seen: numpy() is checked as a read of the whole tensor when it is called.
+
 # Note [free and reuse]
 # A block freed on the host returns to the pool of the stream that allocated it, and the caching allocator
-# hands it out again only to a later allocation on that stream. So a use by another stream that is still
-# unordered at the free is a race only if that stream allocates before it is ordered after the use (an
-# event or stream wait, record_stream, or a synchronize, which clears every hazard). This is how FSDP2
-# frees its reduce-scatter outputs safely: the reduce-scatter stream waits for the compute stream before
-# it allocates again. The race is raised at that allocation.
+# hands it out again only to a later allocation on that stream, from the same pool (small: blocks of at most
+# 1 MiB; large), and nothing else touches it: freeing issues no device work. So a use by another stream that
+# is still unordered at the free is harmless unless the block is handed out again and the new owner uses it
+# before it is ordered after the old use (an event or stream wait, record_stream, or a synchronize, which
+# clears every hazard). Where in the new block the old bytes land is the allocator's choice, so every
+# allocation of that pool on that stream until then may hold them: each gets the old use in its log (covering
+# it whole), and its first access that nothing orders after the old use raises a "free" StreamRaceError,
+# naming both. A block freed so and never handed out again, or handed out and used only after a wait, is
+# safe, as on CUDA, and nothing is reported, at a synchronize or at exit either. This is how FSDP2 frees its
+# reduce-scatter outputs safely: the reduce-scatter stream waits for the compute stream before it allocates
+# again.
+
+
+def _collect_tensors(value: Any, found: list[torch.Tensor]) -> None:
+    """Tensors in ``value`` (nested lists, tuples and dicts; c10d ops take Tensor[][])."""
+    if isinstance(value, torch.Tensor):
+        found.append(value)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _collect_tensors(v, found)
+    elif isinstance(value, dict):
+        for v in value.values():
+            _collect_tensors(v, found)
 
 
 def typed_default() -> bool:
@@ -1270,7 +1536,7 @@ def activate(
         yield sim
     finally:
         sim._stop()
-    sim._raise_pending()  # a race found at a free, not yet reported at a synchronize
+    sim._raise_pending()  # an error kept inside a backward pass and not raised since
 
 
 def process_device() -> SimDevice:

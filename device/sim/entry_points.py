@@ -18,11 +18,13 @@ which is registered once (torch has no way to unregister one) and does nothing w
 from __future__ import annotations
 
 import functools
+import sys
 import threading
 from typing import Any
 
 import torch
 
+from device.sim import npu_ops
 from device.sim.active import active as _sim
 from device.sim.tensor import SimTensor
 
@@ -128,9 +130,10 @@ def _is_cuda(target: Any) -> bool:
     return isinstance(target, torch.device) and target.type == "cuda"
 
 
-def _routes_cuda(sim: Any) -> bool:
-    """Whether "cuda" names this simulator's device: the cuda flavour of a typed simulator."""
-    return sim is not None and sim.typed and sim.flavour == "cuda"
+def routes_cuda(sim: Any) -> bool:
+    """Whether "cuda" names this simulator's device: the cuda flavour of a typed simulator, or the npu flavour
+    once torch_npu.contrib.transfer_to_npu was imported (device.sim.npu_ops)."""
+    return sim is not None and sim.typed and (sim.flavour == "cuda" or npu_ops.cuda_to_npu())
 
 
 def _routed(sim: Any, target: Any) -> Any:
@@ -158,7 +161,7 @@ def _tensor_cuda(original):
     @functools.wraps(original)
     def cuda(self, device=None, non_blocking=False, **kwargs):
         sim = _sim()
-        if _routes_cuda(sim):
+        if routes_cuda(sim):
             index = None if device is None else torch.device("cuda", device).index if isinstance(device, int) else torch.device(device).index
             return self.to(sim.torch_device(index), non_blocking=non_blocking, **kwargs)
         if sim is None or sim.typed:
@@ -172,7 +175,7 @@ def _tensor_to(original):
     @functools.wraps(original)
     def to(self, *args, **kwargs):
         sim = _sim()
-        if _routes_cuda(sim):
+        if routes_cuda(sim):
             args, kwargs = _routed_to_args(sim, args, kwargs)
             return original(self, *args, **kwargs)
         if sim is None or sim.typed:
@@ -212,11 +215,67 @@ def _data_property(original):
     return property(original.__get__, set_data, doc=original.__doc__)
 
 
+# Note [module moves]
+# Module._apply (to, cuda, cpu, half, to_empty...) keeps each Parameter object and changes its data in place
+# (`param.data = new`) when torch._has_compatible_shallow_copy_type says the two tensors may share a TensorImpl
+# type, which holds between dense CPU and CUDA tensors (TensorImpl::has_compatible_shallow_copy_type) and not
+# for meta ones, and not at all once torch.__future__.set_overwrite_module_params_on_conversion(True); otherwise
+# it makes new Parameters (an optimizer built before `to_empty` on a meta-built module keeps the meta ones).
+# It also keeps the objects, swapping their contents, for every result that is a traceable wrapper subclass,
+# which a SimTensor is. So while a typed simulator is active, the choice for a move to or from simulated device
+# memory is made as for CUDA memory: Module._apply's view of is_traceable_wrapper_subclass answers whether CUDA
+# would keep the Parameter, and the swap it then does is how a kept one changes its data here.
+_APPLY = threading.local()  # the (tensor, result) of the last move of the Module._apply running on this thread
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """A tensor a CUDA build counts as dense CPU or CUDA memory (the simulated device standing in for CUDA)."""
+    return t.layout is torch.strided and (type(t) is SimTensor or (t.device.type == "cpu" and not t.is_meta))
+
+
+def _cuda_keeps(tensor: torch.Tensor, applied: torch.Tensor) -> bool:
+    """Whether Module._apply on CUDA would keep the Parameter `tensor` when its move gives `applied`."""
+    if torch.__future__.get_swap_module_params_on_conversion():
+        return True
+    return _dense(tensor) and _dense(applied) and not torch.__future__.get_overwrite_module_params_on_conversion()
+
+
+def _module_apply(original):
+    @functools.wraps(original)
+    def _apply(self, fn, *args, **kwargs):
+        sim = _sim()
+        if sim is None or not sim.typed or getattr(fn, "_swapopt_sim_move", False):
+            return original(self, fn, *args, **kwargs)
+
+        def move(t):
+            out = fn(t)
+            _APPLY.last = (t, out)
+            return out
+
+        move._swapopt_sim_move = True
+        try:
+            return original(self, move, *args, **kwargs)
+        finally:
+            _APPLY.last = None
+
+    return _apply
+
+
+def _module_wrapper_check(original):
+    def is_traceable_wrapper_subclass(t):
+        last = getattr(_APPLY, "last", None)
+        if last is not None and last[1] is t and (type(t) is SimTensor or type(last[0]) is SimTensor):
+            return _cuda_keeps(*last)
+        return original(t)
+
+    return is_traceable_wrapper_subclass
+
+
 def _module_cuda(original):
     @functools.wraps(original)
     def cuda(self, device=None):
         sim = _sim()
-        if _routes_cuda(sim):
+        if routes_cuda(sim):
             return self._apply(lambda t: t.cuda(device))
         if sim is None or sim.typed:
             return original(self, device)
@@ -229,7 +288,7 @@ def _module_to(original):
     @functools.wraps(original)
     def to(self, *args, **kwargs):
         sim = _sim()
-        if _routes_cuda(sim):
+        if routes_cuda(sim):
             args, kwargs = _routed_to_args(sim, args, kwargs)
             return original(self, *args, **kwargs)
         if sim is not None and not sim.typed and ((args and _is_cuda(args[0])) or _is_cuda(kwargs.get("device"))):
@@ -347,6 +406,8 @@ def install() -> None:
     _patch(torch.optim.Optimizer, "_process_value_according_to_param_policy", _static(_param_policy))
     _patch(torch.nn.Module, "cuda", _module_cuda)
     _patch(torch.nn.Module, "to", _module_to)
+    _patch(torch.nn.Module, "_apply", _module_apply)  # Note [module moves]
+    _patch(torch.nn.modules.module, "is_traceable_wrapper_subclass", _module_wrapper_check)
     _patch(threading.Thread, "start", _thread_start)
     _patch(threading.Thread, "join", _thread_join)
     if torch.distributed.is_available():
@@ -374,14 +435,41 @@ _CUDA_SURFACE = (
 _CUDA_SAVED: dict[str, Any] = {}
 
 
+_ACCELERATOR_SAVED: list[Any] = []
+
+
+def _framework_accelerator(original):
+    """torch.accelerator.current_accelerator as the cuda flavour presents it. Frameworks resolve their device
+    from it once, at import (XTuner v1: `current_accelerator().type` must be cpu, cuda or npu), and then use
+    torch.cuda and "cuda" device strings, which the simulator answers for: to them it says `cuda`. torch's own
+    modules keep the registered backend's answer (`sim`, the type simulated tensors report): they look up process
+    group backends, rng state and streams by the device type of the tensors they hold."""
+
+    @functools.wraps(original)
+    def current_accelerator(check_available: bool = False) -> torch.device | None:
+        out = original(check_available)
+        caller = sys._getframe(1).f_globals.get("__name__", "")
+        if out is None or caller == "torch" or caller.startswith("torch."):
+            return out
+        return torch.device("cuda")
+
+    return current_accelerator
+
+
 def present_cuda(sim: Any) -> None:
-    """Make torch.cuda answer for `sim` (a typed cuda-flavour simulator), or give torch.cuda back (None)."""
+    """Make torch.cuda (and, on the cuda flavour, torch.accelerator's device type, for frameworks) answer for
+    `sim` (a typed simulator that routes "cuda": routes_cuda), or give them back (None)."""
     cuda = torch.cuda
     if sim is None:
         for name, original in _CUDA_SAVED.items():
             setattr(cuda, name, original)
         _CUDA_SAVED.clear()
+        if _ACCELERATOR_SAVED:
+            torch.accelerator.current_accelerator = _ACCELERATOR_SAVED.pop()
         return
+    if not _ACCELERATOR_SAVED and sim.flavour == "cuda":  # the npu flavour's backend is already named npu
+        _ACCELERATOR_SAVED.append(torch.accelerator.current_accelerator)
+        torch.accelerator.current_accelerator = _framework_accelerator(_ACCELERATOR_SAVED[0])
     for name in (*_CUDA_SURFACE, "_lazy_init"):
         if name not in _CUDA_SAVED:
             _CUDA_SAVED[name] = getattr(cuda, name, None)

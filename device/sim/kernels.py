@@ -124,3 +124,57 @@ def device_kernel(func: Any) -> Any:
     if packet.__name__ != "histc":
         return None
     return _DEVICE_KERNELS.get(f"histc.{func._overloadname}")
+
+
+# ----- composite ops whose CPU path is a kernel ---------------------------------------------------------
+# scaled_dot_product_attention (CompositeImplicitAutograd) picks its implementation through a DispatchStub
+# indexed by device type (`_fused_sdp_choice_stub` in aten/src/ATen/native/transformers/attention.cpp), which has
+# no entry for a PrivateUse1 backend: on the simulated device it would always take the math path, where the CPU
+# runs its flash kernel (`_scaled_dot_product_flash_attention_for_cpu`, with its own backward) and rounds
+# differently. So the backend registers sdpa_kernel at its Autograd key (device.sim.backend), where the
+# decomposition would otherwise run: it asks the CPU's choice (on the tensors inside, no device op) and calls the
+# op the CPU's composite calls for it, the boolean mask converted first as attention.cpp converts it
+# (convert_boolean_attn_mask: 0 where True, -inf where False, in the query's dtype). The ops it calls record their
+# own autograd nodes, as the composite's do; being in the dispatcher, it also holds inside a backward pass
+# (a checkpointed forward recomputed there records the same ops as the first time).
+_PYTHON_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.Python) | torch._C.DispatchKeySet(
+    torch._C.DispatchKey.PythonTLSSnapshot
+)
+
+
+def _inner(t: Any) -> Any:
+    """The CPU tensor inside a SimTensor (requires_grad as the wrapper's: the choice may depend on it)."""
+    from device.sim.tensor import SimTensor
+
+    if type(t) is not SimTensor:
+        return t
+    return t._elem.detach().requires_grad_(t.requires_grad) if t._elem.is_floating_point() else t._elem
+
+
+def sdpa_kernel(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    *,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """aten.scaled_dot_product_attention on simulated device tensors, as the CPU computes it."""
+    with torch._C._ExcludeDispatchKeyGuard(_PYTHON_KEYS):
+        choice = torch.ops.aten._fused_sdp_choice(
+            _inner(query), _inner(key), _inner(value), _inner(attn_mask), dropout_p, is_causal, scale=scale,
+            enable_gqa=enable_gqa,
+        )  # fmt: skip
+    mask = attn_mask
+    if mask is not None and mask.dtype == torch.bool:
+        mask = torch.zeros_like(mask, dtype=query.dtype).masked_fill_(mask.logical_not(), float("-inf"))
+    if choice == int(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query, key, value, dropout_p, is_causal, attn_mask=mask, scale=scale
+        )[0]
+    return torch.ops.aten._scaled_dot_product_attention_math(
+        query, key, value, mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa
+    )[0]

@@ -33,6 +33,13 @@ def _round_up(n: int, to: int) -> int:
     return -(-n // to) * to
 
 
+def pool_of(nbytes: int) -> str:
+    """The pool of the caching allocator a request of ``nbytes`` is served from: "small" (blocks of at most
+    kSmallSize, from 2 MiB segments) or "large". A freed block is handed out again only within its pool,
+    in CUDA's allocator and in torch_npu's alike (get_pool in CUDACachingAllocator.cpp, NPUCachingAllocator.cpp)."""
+    return "small" if _round_up(nbytes, MIN_BLOCK) <= SMALL_SIZE else "large"
+
+
 @dataclass(eq=False)
 class Segment:
     """A reservation from the device; blocks are carved from it (fragmentation is not modeled)."""
@@ -69,7 +76,7 @@ class DeviceMemory:
 
     @staticmethod
     def _pool(size: int) -> str:
-        return "small" if size <= SMALL_SIZE else "large"
+        return pool_of(size)
 
     @staticmethod
     def segment_size(size: int) -> int:

@@ -38,7 +38,10 @@ class _SimMode(TorchDispatchMode):
         if func.namespace in _UNLOCKED:
             # Collectives may block until another thread (a gloo worker, a peer rank's progress) runs:
             # holding the lock across them could deadlock.
-            return self.sim._dispatch(func, types, args, kwargs)
+            out = self.sim._dispatch(func, types, args, kwargs)
+            if func.namespace != "_dtensor":
+                self.sim._hold_collective(args, kwargs, out)  # Note [collective tensors at exit]
+            return out
         with self.sim._lock:  # threads share the simulator's clocks, logs and memory model
             if not self.sim.typed or torch._C._current_autograd_node() is None:
                 return self.sim._dispatch(func, types, args, kwargs)

@@ -6,6 +6,7 @@ Every figure a preset carries names where it comes from in `sources` (a datashee
 
 from __future__ import annotations
 
+import math
 import os
 
 from dataclasses import dataclass, field, fields
@@ -16,18 +17,26 @@ MiB = 1024**2
 
 # Fields that are not figures of the device and so need no source.
 _NOT_FIGURES = frozenset({"name", "flavour", "sources", "calibrated", "measured", "link_sharing"})
+DIRECTIONS = ("h2d", "d2h")
 
-# Note [link sharing]: with copies running both ways at once the link carries at most `duplex_gbps`, and
-# which direction gives way is a property of the part (nvbandwidth's bidirectional tests show one direction
-# keeping its one-way rate and the other getting the rest, often H2D giving way):
-# - "first": the copy launched first keeps its full rate; a copy launched while the other direction is
-#   already scheduled gets what the cap leaves. The simulator's rule before calibration.
+# Note [link sharing]: with copies running both ways at once the link carries less than the two directions
+# alone, and how the two share it is a property of the part. The preset's `link_sharing` names the rule:
+# - "sized": neither direction keeps its rate; while the other direction is busy each moves at the rate
+#   `duplex_table` gives for its copy size. The table's rows are (copy bytes, H2D GB/s, D2H GB/s) with both
+#   busy, latency excluded (bytes / (time - latency) of back-to-back copies), interpolated in log size and
+#   clamped at its ends: below the smallest row the rates of that row, above the largest those of the largest.
+#   What the H100 showed (bench/results/cuda-h100-2026-11-26-verify-a.md: 16 MB 51.5 + 50.0 GB/s, 256 MB 34.2 + 47.0,
+#   1 GB 44.0 + 51.7, whichever direction was issued first); 1 MB copies there depend on issue order (H2D 32
+#   or 75 GB/s beside D2H) and are not modeled: the smallest row's rates apply to them.
+# - "first": with both busy the link carries at most `duplex_gbps`; the copy launched first keeps its full
+#   rate and one launched while the other direction is already scheduled gets what the cap leaves.
 # - "d2h" / "h2d": that direction always keeps its full rate, even against copies the other way launched
 #   before it; the other direction gets what the cap leaves beside it.
 # Under "first" a schedule that takes turns at launching first can split the cap evenly, so both directions'
 # bytes can cross in (H2D + D2H) / cap. Under a fixed rule nothing can: while the favoured direction is busy
-# the other gets only cap - its rate, so the floor is higher (link_floor_us).
-LinkSharing = Literal["first", "d2h", "h2d"]
+# the other gets only cap - its rate, so the floor is higher (link_floor_us). Under "sized" both directions'
+# bytes cross at the table's pair of rates while both are busy, then the rest alone.
+LinkSharing = Literal["sized", "first", "d2h", "h2d"]
 LINK_SHARING_RULES: tuple[str, ...] = get_args(LinkSharing)
 
 
@@ -39,8 +48,8 @@ class SimPreset:
     name: str
     h2d_gbps: float  # pinned host -> device copy bandwidth, one direction alone
     d2h_gbps: float  # device -> pinned host copy bandwidth, one direction alone
-    duplex_gbps: float  # aggregate cap of both directions at once (below h2d + d2h on PCIe parts)
-    copy_latency_us: float  # fixed cost of one host<->device copy before its bytes flow
+    duplex_gbps: float  # the most both directions carry together (below h2d + d2h on PCIe parts)
+    copy_latency_us: float  # fixed cost of one host<->device copy before its bytes flow, mean of the directions
     hbm_gbps: float  # device memory bandwidth: kernels cost at least bytes touched / this
     bf16_tflops: float  # dense tensor-core peak, bfloat16 inputs
     fp16_tflops: float  # dense tensor-core peak, float16 inputs
@@ -57,9 +66,24 @@ class SimPreset:
     # nothing here is measured yet.
     calibrated: str | None = None
     measured: dict[str, float] = field(default_factory=dict)
-    # Which direction keeps its rate with both busy (Note [link sharing]). Not a figure: a rule, which
-    # calibration reads off the two issue orders of its both-at-once copies.
+    # How the two directions share the link with both busy (Note [link sharing]). Not a figure: a rule.
     link_sharing: LinkSharing = "first"
+    # The share of the two directions' latencies an H2D copy pays: H2D waits 2 x share x copy_latency_us, D2H
+    # 2 x (1 - share) x copy_latency_us (0.5: both pay copy_latency_us). A share, not a second latency, so that
+    # a preset with copy_latency_us replaced by 0 has no latency either way.
+    h2d_latency_share: float = 0.5
+    # Rows (copy bytes, H2D GB/s, D2H GB/s) with both directions busy, latency excluded, ascending in bytes: the
+    # rates of link_sharing "sized" (Note [link sharing]); other rules ignore it. Files written before it load
+    # with none.
+    duplex_table: tuple[tuple[float, float, float], ...] = ()
+    # Host time per tensor an op takes beyond its first two (multi-tensor foreach and fused ops, whose
+    # launcher and the Python that gathers their lists walk every tensor): Note [host clock] in
+    # device/sim/timeline.py. Files written before it load with none.
+    host_tensor_us: float = 0.0
+    # The host beside the device (device/sim/host_memory.py): RAM that pinned host memory is counted against
+    # (SWAPOPT_SIM_HOST_MB overrides it), and how fast one thread pins host memory, in GB/s.
+    host_capacity_bytes: int = 125 * GiB
+    pin_gbps: float = 1.66
 
     def __post_init__(self) -> None:
         if self.duplex_gbps < max(self.h2d_gbps, self.d2h_gbps):
@@ -68,14 +92,58 @@ class SimPreset:
             raise ValueError(
                 f"{self.name}: link_sharing must be one of {', '.join(LINK_SHARING_RULES)}, got {self.link_sharing!r}"
             )
+        if not 0.0 <= self.h2d_latency_share <= 1.0:
+            raise ValueError(f"{self.name}: h2d_latency_share must lie in [0, 1], got {self.h2d_latency_share}")
+        # JSON gives lists: rows become tuples, so the preset stays hashable and compares equal to its file.
+        table = tuple((float(n), float(h), float(d)) for n, h, d in self.duplex_table)
+        object.__setattr__(self, "duplex_table", table)
+        if any(n <= 0 or h <= 0 or d <= 0 for n, h, d in table) or any(
+            a[0] >= b[0] for a, b in zip(table, table[1:])
+        ):
+            raise ValueError(
+                f"{self.name}: duplex_table rows must be (bytes, GB/s, GB/s), all positive, bytes ascending"
+            )
+        if self.link_sharing == "sized" and not table:
+            raise ValueError(f"{self.name}: link_sharing 'sized' needs a duplex_table")
 
-    def link_floor_us(self, h2d_bytes: float, d2h_bytes: float) -> float:
+    def latency_us(self, direction: str) -> float:
+        """The fixed cost of one copy of `direction` ("h2d" or "d2h") before its bytes flow."""
+        share = self.h2d_latency_share if direction == "h2d" else 1.0 - self.h2d_latency_share
+        return 2.0 * share * self.copy_latency_us
+
+    def alone_gbps(self, direction: str) -> float:
+        return self.h2d_gbps if direction == "h2d" else self.d2h_gbps
+
+    def both_gbps(self, direction: str, nbytes: float) -> float:
+        """Rate of a copy of `direction` and `nbytes` while the other direction is busy, under "sized": the
+        table's, interpolated in log size, clamped at its ends and never above the direction's rate alone."""
+        column = 1 if direction == "h2d" else 2
+        table = self.duplex_table
+        if not table:  # other rules: half the cap, as "first" splits it when the two take turns
+            return min(self.alone_gbps(direction), self.duplex_gbps / 2)
+        if nbytes <= table[0][0]:
+            rate = table[0][column]
+        elif nbytes >= table[-1][0]:
+            rate = table[-1][column]
+        else:
+            j = next(i for i, row in enumerate(table) if row[0] >= nbytes)
+            lo, hi = table[j - 1], table[j]
+            w = (math.log(nbytes) - math.log(lo[0])) / (math.log(hi[0]) - math.log(lo[0]))
+            rate = lo[column] + w * (hi[column] - lo[column])
+        return min(rate, self.alone_gbps(direction))
+
+    def link_floor_us(self, h2d_bytes: float, d2h_bytes: float, copy_bytes: float | None = None) -> float:
         """The least time in which `h2d_bytes` and `d2h_bytes` can cross this link, copy latencies aside
-        (Note [link sharing]): never below either direction alone at its rate; under "first" both
-        directions' bytes through the cap; under a fixed rule the favoured direction's bytes at its rate,
-        while the other gets cap - that rate, and then the rest of the other's bytes alone."""
+        (Note [link sharing]): never below either direction alone at its rate. Under "sized" both move at the
+        table's rates for copies of `copy_bytes` while both are busy, then the rest alone at its own rate;
+        without `copy_bytes`, the least of that over the table's sizes. Under "first" both directions' bytes
+        through the cap; under a fixed rule the favoured direction's bytes at its rate, while the other gets
+        cap - that rate, and then the rest of the other's bytes alone."""
         h_rate, d_rate, cap = self.h2d_gbps * 1e3, self.d2h_gbps * 1e3, self.duplex_gbps * 1e3  # bytes per us
         alone = max(h2d_bytes / h_rate, d2h_bytes / d_rate)
+        if self.link_sharing == "sized":
+            sizes = [copy_bytes] if copy_bytes is not None else [row[0] for row in self.duplex_table]
+            return max(alone, min(self._sized_floor_us(h2d_bytes, d2h_bytes, n) for n in sizes))
         if self.link_sharing == "first":
             return max(alone, (h2d_bytes + d2h_bytes) / cap)
         if self.link_sharing == "d2h":
@@ -85,6 +153,14 @@ class SimPreset:
         busy = fav / fav_rate
         beside = min(other_rate, cap - fav_rate) * busy  # what the other direction moves meanwhile
         return max(alone, busy + max(other - beside, 0.0) / other_rate)
+
+    def _sized_floor_us(self, h2d_bytes: float, d2h_bytes: float, copy_bytes: float) -> float:
+        """Both directions at the table's rates for `copy_bytes` until one is done, then the other alone."""
+        both = {d: self.both_gbps(d, copy_bytes) * 1e3 for d in DIRECTIONS}
+        left = {"h2d": h2d_bytes, "d2h": d2h_bytes}
+        together = min(left[d] / both[d] for d in DIRECTIONS)
+        rest = max((left[d] - together * both[d]) / (self.alone_gbps(d) * 1e3) for d in DIRECTIONS)
+        return together + rest
 
     def peak_tflops(self, precision: str) -> float:
         """Peak rate for a precision key of device.costs ("bf16", "fp16", "tf32", "fp32", "fp64")."""
@@ -107,40 +183,81 @@ _DUPLEX_RATIO = (
     "directions busy against 25-26 GB/s one way; github.com/NVIDIA/nvbandwidth issues 11 and 53)"
 )
 
+# The H100 run these figures come from (bench/results/cuda-h100-2026-11-26-verify-a.md, python -m swapopt.verify).
+_H100_RUN = "2026-11-26, NVIDIA H100 80GB HBM3, driver 580.159.04, CUDA 13.0, torch 2.11.0, PCIe gen 5 x16"
+_H100_MEASURED = f"measured by python -m swapopt.verify on {_H100_RUN} (h100-2026-11-26)"
+
 PRESETS: dict[str, SimPreset] = {
     "h100": SimPreset(
         name="h100",
-        h2d_gbps=55.0,
-        d2h_gbps=55.0,
-        duplex_gbps=80.0,
-        copy_latency_us=2.0,
-        hbm_gbps=3350.0,
-        bf16_tflops=989.5,
+        h2d_gbps=55.16,
+        d2h_gbps=55.13,
+        duplex_gbps=105.35,
+        copy_latency_us=15.10,
+        h2d_latency_share=0.9354,
+        link_sharing="sized",
+        duplex_table=(
+            (16 * MiB, 55.16, 50.19),
+            (256 * MiB, 34.60, 47.08),
+            (1024 * MiB, 44.14, 51.61),
+        ),
+        hbm_gbps=3075.4,
+        bf16_tflops=793.7,
         fp16_tflops=989.5,
         tf32_tflops=494.5,
         fp32_tflops=67.0,
         fp64_tflops=67.0,
-        launch_us=5.0,
+        launch_us=6.17,
+        host_tensor_us=0.834,
         host_gbps=20.0,
-        capacity_bytes=81559 * MiB,
+        capacity_bytes=85_017_493_504,
+        calibrated=_H100_RUN,
+        # The fitted figures unrounded, as swapopt.verify.calibrated_preset makes them from the run's calibration
+        # (tests/data/cuda-h100-2026-11-26-calibration.json); host_tensor_us from the layout bench.
+        measured={
+            "h2d_gbps": 55.160927335100055,
+            "d2h_gbps": 55.12678529955366,
+            "duplex_gbps": 105.34930268607675,
+            "copy_latency_us": 15.102821828748835,
+            "h2d_latency_share": 0.9353884206277072,
+            "hbm_gbps": 3075.3742416380114,
+            "bf16_tflops": 793.7217666453665,
+            "launch_us": 6.170815944671631,
+            "host_tensor_us": 16.5e3 / 19_794,
+            "capacity_bytes": 85_017_493_504,
+        },
         sources={
-            "h2d_gbps": "measured pinned H2D on H100 over PCIe Gen5 x16, about 55-57 GB/s per direction "
-            "(swapopt design notes; PCIe Gen5 x16 peak is 64 GB/s)",
-            "d2h_gbps": "measured pinned D2H on H100, about 55 GB/s (swapopt design notes)",
-            "duplex_gbps": f"assumed: 55 GB/s one way times {_DUPLEX_RATIO}; no published H100 figure",
-            "copy_latency_us": "assumed: a few microseconds of DMA setup and PCIe round trip per cudaMemcpyAsync",
-            "hbm_gbps": f"{_H100_DATASHEET}: GPU memory bandwidth 3.35 TB/s",
-            "bf16_tflops": f"{_H100_DATASHEET}: BFLOAT16 Tensor Core 1,979 TFLOPS, {_DENSE}",
+            "h2d_gbps": f"{_H100_MEASURED}: pinned copies 1 MB-1 GB, slope of the line fit (verify-a.json)",
+            "d2h_gbps": f"{_H100_MEASURED}: pinned copies 1 MB-1 GB, slope of the line fit (verify-a.json)",
+            "duplex_gbps": f"{_H100_MEASURED}: the most duplex_table's rows carry together (16 MB copies); "
+            "the cap the run's file names, 95.9, is the 1 GB copies' (verify-a.json)",
+            "copy_latency_us": f"{_H100_MEASURED}: mean of the two directions' latencies, each fitted to the per-copy "
+            "times in relative error at the line fit's rate, so small copies keep their rate: H2D 28.3 us, D2H "
+            "2.0 us (1 MB: H2D 22.1 GB/s, D2H 50.0 GB/s); the line fit's intercept, 21.0, fits the large copies "
+            "and gives 1 MB D2H copies half their rate (verify-a.json)",
+            "h2d_latency_share": f"{_H100_MEASURED}: H2D's part of the two latencies, 28.3 / (28.3 + 2.0)",
+            "duplex_table": f"{_H100_MEASURED}: both directions at once, 16 MB-1 GB copies, the two issue orders "
+            "averaged (16 MB: 51.3 + 49.9 GB/s, 256 MB: 34.5 + 47.1, 1 GB: 44.1 + 51.6 as measured), each "
+            "direction's latency taken out, capped at its rate alone; 1 MB is left out: there H2D moved 32 or 75 "
+            "GB/s beside D2H depending on issue order (verify-a.json)",
+            "hbm_gbps": f"{_H100_MEASURED}: fused AdamW step 1,000,000-100,000,000 params, slope, 32 B/param as "
+            "the simulator charges it (verify-a.json)",
+            "bf16_tflops": f"{_H100_MEASURED}: bf16 matmul 8192^3, 1.385 ms (verify-a.json)",
             "fp16_tflops": f"{_H100_DATASHEET}: FP16 Tensor Core 1,979 TFLOPS, {_DENSE}",
             "tf32_tflops": f"{_H100_DATASHEET}: TF32 Tensor Core 989 TFLOPS, {_DENSE}",
             "fp32_tflops": f"{_H100_DATASHEET}: FP32 67 TFLOPS (CUDA cores, no tensor cores)",
             "fp64_tflops": f"{_H100_DATASHEET}: FP64 Tensor Core 67 TFLOPS",
-            "launch_us": "assumed: typical CUDA kernel launch overhead of a few microseconds",
+            "launch_us": f"{_H100_MEASURED}: device time per back-to-back tiny kernel, which the host's issue "
+            "rate sets (host wall time per launch 6.24 us) (verify-a.json)",
+            "host_tensor_us": f"{_H100_MEASURED}: the layout bench's resident fused AdamW step on moe (3,299 "
+            "tensors; two aten ops taking 6 tensors per param): 16.5 ms own host time per step / 19,794 tensors "
+            "(verify-b-bench-peers.md, Layouts)",
             "host_gbps": "assumed: single-threaded CPU memory bandwidth",
-            "capacity_bytes": "total memory the driver reports for an H100 80GB HBM3: 81559 MiB in nvidia-smi "
-            "(85,520,809,984 bytes; e.g. github.com/modal-labs/modal-client/pull/2797 and "
-            "github.com/wilicc/gpu-burn/issues/114), not the datasheet's 80 GB; the CUDA context's few hundred "
-            "MiB are not subtracted (calibrate with torch.cuda.mem_get_info)",
+            "capacity_bytes": f"{_H100_MEASURED}: total device memory the runtime reports (mem_get_info), "
+            "79.2 GiB (verify-a.json)",
+            "host_capacity_bytes": "measured on the H100 run's host (h100-2026-11-26, env.txt): 125 GiB of RAM",
+            "pin_gbps": "measured on the H100 run's host (h100-2026-11-26, pinned.txt): 24 GiB + 4 KiB pinned by one "
+            "thread in 15.54 s, 1.66 GB/s",
         },
     ),
     "910b": SimPreset(
@@ -150,6 +267,9 @@ PRESETS: dict[str, SimPreset] = {
         d2h_gbps=25.0,
         duplex_gbps=36.0,
         copy_latency_us=5.0,
+        link_sharing="sized",
+        duplex_table=((1 * MiB, 18.0, 18.0),),
+        host_tensor_us=0.834,
         hbm_gbps=1600.0,
         bf16_tflops=313.0,
         fp16_tflops=313.0,
@@ -165,6 +285,11 @@ PRESETS: dict[str, SimPreset] = {
             "d2h_gbps": "assumed: same as h2d_gbps",
             "duplex_gbps": f"assumed: 25 GB/s one way times {_DUPLEX_RATIO}, a PCIe Gen4 part like this one",
             "copy_latency_us": "assumed: aclrtMemcpyAsync setup through the ACL runtime, above CUDA's",
+            "h2d_latency_share": "assumed: both directions pay copy_latency_us",
+            "duplex_table": "assumed: duplex_gbps split evenly at every copy size, neither direction keeping its "
+            "rate, as neither did on the H100 (h100-2026-11-26)",
+            "host_tensor_us": "assumed: as measured on the H100's host (h100-2026-11-26): the Python and launcher "
+            "walking an op's tensors are host work, not the device's",
             "hbm_gbps": "CANN cross-platform migration guide (gitcode.com/cann/ops-cv, docs/zh/develop/"
             "cross_platform_migration_guide.md), Atlas A2 column: memory bandwidth 1.6 TB/s",
             "bf16_tflops": "assumed: Huawei publishes no per-chip figure; third-party summaries of the 910B "
@@ -176,6 +301,9 @@ PRESETS: dict[str, SimPreset] = {
             "capacity_bytes": "same guide, Atlas A2 column: 64 GB memory per Ascend 910B",
             "launch_us": "assumed: NPU op launch through the ACL runtime",
             "host_gbps": "assumed: single-threaded CPU memory bandwidth",
+            "host_capacity_bytes": "assumed: 125 GiB, as the H100 host; Atlas 800T A2 servers carry more per NPU, "
+            "set SWAPOPT_SIM_HOST_MB for the host at hand",
+            "pin_gbps": "assumed: as the H100 host's measured 1.66 GB/s (page pinning is host-side work)",
         },
     ),
 }

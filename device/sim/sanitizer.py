@@ -27,7 +27,8 @@ class StreamRaceError(RuntimeError):
     Structured fields (None where not applicable): `access` and `earlier` (the two Access records),
     `stream` and `earlier_stream` (names), `op` and `earlier_op`, `earlier_stack` (where the earlier
     access was made, innermost frame last), `storage` (id) and `nbytes`, and `kind` ("access" for two
-    unordered accesses, "free" for a block freed while another stream may still use it)."""
+    unordered accesses, "free" for a new allocation used while a block freed into it may still be in use by
+    another stream: `earlier` is that use, `access` the new allocation's, `storage` the new one's id)."""
 
     def __init__(
         self,
@@ -75,6 +76,9 @@ class Access:
     # [start, end); None for dense accesses
     layout: tuple | None = None
     stack: list[str] | None = field(default=None, repr=False)
+    # (storage id, bytes) of a freed block this record stands for in a new allocation on the stream the
+    # block went back to (Note [free and reuse] in device/sim/device.py); None for an access of its own
+    freed: tuple[int, int] | None = None
 
     def covers(self, other: Access) -> bool:
         """Whether every byte `other` touches is one this access touches."""
@@ -251,8 +255,40 @@ def race_message(acc: Access, rec: Access, storage_id: int, nbytes: int, names: 
     )
 
 
+def reused_use(rec: Access, uid: int, nbytes: int, new_nbytes: int) -> Access:
+    """The record a freed block's unordered use `rec` leaves in a new allocation that may be handed that
+    block: the whole new block (where in it the old bytes land is the allocator's choice), the same actor,
+    epoch and kind of access."""
+    return Access(
+        0, new_nbytes, rec.write, rec.actor, rec.epoch, rec.op, rec.label, rec.shape, None, rec.stack, (uid, nbytes)
+    )
+
+
+def free_race_error(acc: Access, rec: Access, storage_id: int, nbytes: int, names: list[str]) -> StreamRaceError:
+    """`acc` uses a new allocation that may hold a block freed while `rec` (another stream) still used it."""
+    freed_id, freed_bytes = rec.freed
+    stream, other = names[acc.actor], names[rec.actor]
+    return StreamRaceError(
+        f"a device tensor of shape {tuple(rec.shape)} ({freed_bytes} bytes, storage #{freed_id}) was freed while "
+        f"{rec.op} on {where(rec, names)} may still use it, and its memory went back to the pool of {stream}, "
+        f"which handed out storage #{storage_id} ({nbytes} bytes) since: {acc.op} on {where(acc, names)} "
+        f"{'writes' if acc.write else 'reads'} it before anything orders it after that use; call "
+        f"device.record_stream(t, stream) (or t.record_stream) before dropping the old tensor, or make {stream} "
+        f"wait for {other} first",
+        kind="free",
+        access=acc,
+        earlier=rec,
+        stream=stream,
+        earlier_stream=other,
+        storage=storage_id,
+        nbytes=nbytes,
+    )
+
+
 def race_error(acc: Access, rec: Access, storage_id: int, nbytes: int, names: list[str]) -> StreamRaceError:
     """The error for two unordered conflicting accesses, with its structured fields filled in."""
+    if rec.freed is not None:
+        return free_race_error(acc, rec, storage_id, nbytes, names)
     return StreamRaceError(
         race_message(acc, rec, storage_id, nbytes, names),
         access=acc,

@@ -125,8 +125,55 @@ def _unwrap(value: Any, found: list, hosts: list) -> Any:
     return value
 
 
+# torch.optim's fused kernels. Their float-lr overloads carry the dispatcher's device check
+# (native_functions.yaml declares no `device_check: NoCheck` for them): every tensor, `state_steps` included, must
+# be on the params' device, so a 0-dim host `step` is refused as CUDA refuses it ("... but got state_steps is on
+# cpu ..."). Their `tensor_lr` overloads are `device_check: NoCheck`, and CUDA's kernels
+# (aten/src/ATen/native/cuda/FusedAdamKernel.cu, FusedAdamWKernel.cu, FusedSgdKernel.cu, FusedAdagradKernel.cu)
+# begin with `if (lr.is_cpu()) { ...(lr.item<double>()...); return; }`: a host lr of one element, of any rank,
+# is read on the host; every other tensor must still be on the params' device.
+_FUSED_OPTIMIZERS = frozenset(
+    p
+    for p in (getattr(torch.ops.aten, n, None) for n in (
+        "_fused_adam_", "_fused_adamw_", "_fused_sgd_", "_fused_adagrad_",
+        "_fused_adam", "_fused_adamw", "_fused_sgd", "_fused_adagrad",
+    ))  # fmt: skip
+    if p is not None
+)
+
+
+def is_fused_optimizer(func: Any) -> bool:
+    return func.overloadpacket in _FUSED_OPTIMIZERS
+
+
+def check_fused_optimizer(func: Any, args: tuple, kwargs: dict) -> None:
+    """CUDA's device rule for a fused optimizer kernel (see _FUSED_OPTIMIZERS), on its arguments as the caller
+    passed them: the first tensor's device is every tensor's, argument by argument, as torch's generated check
+    names the first argument that differs."""
+    tensor_lr = func._overloadname == "tensor_lr"
+    common: torch.device | None = None
+    for position, arg in enumerate(func._schema.arguments):
+        value = args[position] if position < len(args) else kwargs.get(arg.name)
+        if tensor_lr and arg.name == "lr" and isinstance(value, torch.Tensor) and value.device.type == "cpu":
+            if value.numel() != 1:  # lr.item() in the kernel
+                raise RuntimeError(f"a Tensor with {value.numel()} elements cannot be converted to Scalar")
+            continue
+        for t in value if isinstance(value, (list, tuple)) else (value,):
+            if not isinstance(t, torch.Tensor):
+                continue
+            if common is None:
+                common = t.device
+            elif t.device != common:
+                raise RuntimeError(
+                    f"Expected all tensors to be on the same device, but got {arg.name} is on {t.device}, different "
+                    f"from other tensors on {common} (when checking argument in method {func})"
+                )
+
+
 def _check_same_device(func: Any, found: list[SimTensor], hosts: list[torch.Tensor]) -> None:
-    """CUDA's rule: one kernel reads one device; a 0-dim host tensor passes as a scalar."""
+    """CUDA's rule for ops built on TensorIterator (`device_check: NoCheck # TensorIterator` in
+    native_functions.yaml, which most device kernels are): one kernel reads one device; a 0-dim host tensor
+    passes as a scalar (TensorIterator reads a CPU scalar on the host). Fused optimizers: check_fused_optimizer."""
     first = found[0].device
     other = next((w.device for w in found if w.device != first), None)
     if other is None:

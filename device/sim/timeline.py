@@ -12,17 +12,31 @@ lane).
 Costs, as on the hardware:
 - a kernel takes max(bytes touched / HBM bandwidth, FLOPs / peak FLOP rate of its precision); only
   contractions carry FLOPs (device/costs.py), everything else is bound by its bytes;
-- a copy takes a fixed latency, then moves its bytes at the link rate of its direction. Both directions
-  at once share an aggregate cap (`duplex_gbps`, below h2d + d2h on PCIe parts), and the preset's
-  `link_sharing` says which gives way (Note [link sharing] in device/sim/presets.py):
-  - "first": a copy that overlaps copies already scheduled the other way gets what the cap leaves it,
-    never more than its own direction's rate. Scheduled ops are never moved (their end times are already
-    visible through streams and events), so the copy launched later absorbs the sharing; the link never
-    carries more than the cap.
+- a copy takes a fixed latency (its direction's: SimPreset.latency_us), then moves its bytes at the link
+  rate of its direction. How both directions at once share the link is the preset's `link_sharing` (Note
+  [link sharing] in device/sim/presets.py):
+  - "sized": a copy that overlaps copies already scheduled the other way moves, meanwhile, at the rate the
+    preset's table gives for its size with both busy. Scheduled ops are never moved (their end times are
+    already visible through streams and events), so what those copies moved over their own both-busy rate
+    meanwhile is owed by their direction (Note [link debt]).
+  - "first": a copy that overlaps copies already scheduled the other way gets what the cap (`duplex_gbps`)
+    leaves it, never more than its own direction's rate; the copy launched later absorbs the sharing, and
+    the link never carries more than the cap.
   - "d2h" / "h2d": a copy of the favoured direction always moves at its full rate; one of the other
     direction gets what the cap leaves beside favoured copies already scheduled. A favoured copy launched
     after other-way copies it overlaps cannot slow them (they are scheduled), so what the link carried
     over the cap there is owed by the other direction (Note [link debt]).
+
+Note [host clock]: a device op cannot start before the host has issued it. The host clock advances by
+`launch_us` per launched op, plus `host_tensor_us` per tensor the op takes beyond its first two (a fused or
+foreach op over many tensors: its launcher, and the optimizer's Python that gathered its lists, walk every
+one), plus the host's own work (host ops at `host_gbps`, blocking waits). That clock ("ops", the default) is
+deterministic, so tests may assert modeled times. With SWAPOPT_SIM_HOST_CLOCK=measured (or
+`Timeline(host_clock="measured")`) the clock also advances, before each op, by the CPU time the issuing
+thread spent outside the simulator's own frames since its previous op (device/sim/host_time.py): the Python
+of the program itself, as a device's host pays it, though on this machine's CPU and with the cost of entering
+the simulator's dispatch (which no device has) in it. Not deterministic: for looking at a program's host
+cost, not for tests.
 """
 
 from __future__ import annotations
@@ -30,10 +44,14 @@ from __future__ import annotations
 import bisect
 import json
 import math
+import os
+import threading
+import time
 from collections import deque
 from pathlib import Path
 from typing import NamedTuple
 
+from device.sim import host_time
 from device.sim.costs import Flops
 from device.sim.presets import SimPreset
 
@@ -53,12 +71,29 @@ class TimelineOp(NamedTuple):
 
 # The other direction of each copy lane: they share the link's aggregate cap.
 _OPPOSITE = {"h2d": "d2h", "d2h": "h2d"}
+HOST_CLOCKS = ("ops", "measured")  # Note [host clock]
+HOST_CLOCK_ENV = "SWAPOPT_SIM_HOST_CLOCK"
+# A flow segment of a copy lane: (start_us, end_us, bytes per us, bytes per us the copy moves with both busy).
+Segment = tuple[float, float, float, float]
+
+
+def host_clock_from_env() -> str:
+    """SWAPOPT_SIM_HOST_CLOCK: "ops" (the default) or "measured" (Note [host clock])."""
+    value = os.environ.get(HOST_CLOCK_ENV, "ops").strip().lower() or "ops"
+    if value not in HOST_CLOCKS:
+        raise ValueError(f"{HOST_CLOCK_ENV} must be one of {', '.join(HOST_CLOCKS)}, got {value!r}")
+    return value
 
 
 class Timeline:
-    def __init__(self, preset: SimPreset, max_ops: int = 200_000) -> None:
+    def __init__(self, preset: SimPreset, max_ops: int = 200_000, host_clock: str | None = None) -> None:
         self.preset = preset
         self.host_us = 0.0
+        self.host_clock = host_clock or host_clock_from_env()
+        if self.host_clock not in HOST_CLOCKS:
+            raise ValueError(f"host_clock must be one of {', '.join(HOST_CLOCKS)}, got {self.host_clock!r}")
+        # "measured": per thread, (CPU seconds, seconds inside simulator frames) when its last op was charged.
+        self._python_mark = threading.local()
         self._lane_free = dict.fromkeys(LANES, 0.0)  # when each lane's last scheduled op ends
         # Busy intervals of the compute lane, sorted and disjoint, kept from the host's time on (nothing
         # launched later can start before it): the idle gaps between them take later-ready kernels, in pieces
@@ -67,12 +102,14 @@ class Timeline:
         self._busy_end: list[float] = []
         # Per copy lane, the link rate it uses over time: (start_us, end_us, bytes per us) segments in time
         # order. Kept only as far back as the other lane could still overlap them.
-        self._flow: dict[str, list[tuple[float, float, float]]] = {"h2d": [], "d2h": []}
+        self._flow: dict[str, list[Segment]] = {"h2d": [], "d2h": []}
         # Note [link debt]: under a fixed sharing rule, bytes the link carried over its cap because a favoured
-        # copy was launched after other-way copies it overlapped (already scheduled, so never slowed). The
-        # other direction's next copy moves them first, as if its earlier copies had given way in time: over
-        # any span that ends after that copy the link carries no more than the cap, and a direction that is
-        # busy all along moves what it would under the rule.
+        # copy was launched after other-way copies it overlapped (already scheduled, so never slowed); under
+        # "sized", bytes other-way copies moved over their both-busy rate beside a copy launched after them.
+        # That direction's next copy moves them first, as if its earlier copies had given way in time: over
+        # any span that ends after that copy the link carries no more than the rule allows, and a direction
+        # that is busy all along moves what it would under the rule. A direction with no later copy keeps its
+        # debt until it has one (the end of a burst of copies is modeled a little fast).
         self._debt: dict[str, float] = {"h2d": 0.0, "d2h": 0.0}
         # Long training loops keep only the most recent ops; clocks are unaffected.
         self._ops: deque[TimelineOp] = deque(maxlen=max_ops)
@@ -93,19 +130,21 @@ class Timeline:
         return max(memory, flops.count / (self.preset.peak_tflops(flops.precision) * 1e6))  # TFLOP/s = 1e6 FLOP/us
 
     def _copy_end_us(self, lane: str, start_us: float, nbytes: int) -> float:
-        """When a copy starting at `start_us` ends: latency, then its bytes at its direction's rate, less what
-        copies already scheduled the other way take of the aggregate cap meanwhile (all of it for a copy
-        of the favoured direction under a fixed sharing rule). Records its own flow."""
+        """When a copy starting at `start_us` ends: its direction's latency, then its bytes at its direction's
+        rate, less what copies already scheduled the other way leave it meanwhile (Note [link sharing]).
+        Records its own flow."""
+        if self.preset.link_sharing == "sized":
+            return self._sized_end_us(lane, start_us, nbytes)
         if self.preset.link_sharing == lane:
             return self._favoured_end_us(lane, start_us, nbytes)
         own = self._rate(lane)
         cap = self.preset.duplex_gbps * 1e3
         opposite = self._flow[_OPPOSITE[lane]]
         flow = self._flow[lane]
-        t = start_us + self.preset.copy_latency_us
+        t = start_us + self.preset.latency_us(lane)
         left = float(nbytes) + self._debt[lane]  # Note [link debt]: what this direction owes goes first
         self._debt[lane] = 0.0
-        for seg_start, seg_end, other in opposite:
+        for seg_start, seg_end, other, _ in opposite:
             if left <= 0:
                 break
             if seg_end <= t:
@@ -127,16 +166,49 @@ class Timeline:
         self._prune(lane, t)
         return t
 
+    def _sized_end_us(self, lane: str, start_us: float, nbytes: int) -> float:
+        """A copy under "sized": alone at its direction's rate; beside other-way copies already scheduled at the
+        rate the preset's table gives its size with both busy. Those copies keep their times; what they moved
+        over their own both-busy rate meanwhile becomes their direction's debt (Note [link debt])."""
+        own = self._rate(lane)
+        both = self.preset.both_gbps(lane, nbytes) * 1e3
+        other_lane = _OPPOSITE[lane]
+        flow = self._flow[lane]
+        t = start_us + self.preset.latency_us(lane)
+        left = float(nbytes) + self._debt[lane]
+        self._debt[lane] = 0.0
+        for seg_start, seg_end, other, other_both in self._flow[other_lane]:
+            if left <= 0:
+                break
+            if seg_end <= t:
+                continue
+            if seg_start > t:  # alone until the other direction starts
+                done = t + left / own
+                if done <= seg_start:
+                    t, left = self._move(flow, t, done, own, both), 0.0
+                    break
+                left -= (seg_start - t) * own
+                t = self._move(flow, t, seg_start, own, both)
+            until = min(seg_end, t + left / both)
+            left -= (until - t) * both
+            if other > other_both:
+                self._debt[other_lane] += (until - t) * (other - other_both)
+            t = self._move(flow, t, until, both, both)
+        if left > 1e-9:
+            t = self._move(flow, t, t + left / own, own, both)
+        self._prune(lane, t)
+        return t
+
     def _favoured_end_us(self, lane: str, start_us: float, nbytes: int) -> float:
         """A copy of the direction that keeps its rate: latency, then its bytes at its full rate. Where
         other-way copies already scheduled overlap it and the two exceed the cap, the excess becomes the
         other direction's debt (Note [link debt])."""
         own = self._rate(lane)
         cap = self.preset.duplex_gbps * 1e3
-        t = start_us + self.preset.copy_latency_us
+        t = start_us + self.preset.latency_us(lane)
         end = t + nbytes / own
         other = _OPPOSITE[lane]
-        for seg_start, seg_end, rate in self._flow[other]:
+        for seg_start, seg_end, rate, _ in self._flow[other]:
             overlap = min(end, seg_end) - max(t, seg_start)
             if overlap > 0 and rate + own > cap:
                 self._debt[other] += overlap * (rate + own - cap)
@@ -156,13 +228,14 @@ class Timeline:
             flow.pop(0)
 
     @staticmethod
-    def _move(flow: list[tuple[float, float, float]], start: float, end: float, rate: float) -> float:
-        """Append a segment moving `rate` bytes/us over [start, end); return `end`."""
+    def _move(flow: list[Segment], start: float, end: float, rate: float, both: float = 0.0) -> float:
+        """Append a segment moving `rate` bytes/us over [start, end) (`both`: the copy's rate with both
+        directions busy, under "sized"); return `end`."""
         if end > start:
-            if flow and flow[-1][1] == start and flow[-1][2] == rate:
-                flow[-1] = (flow[-1][0], end, rate)
+            if flow and flow[-1][1] == start and flow[-1][2] == rate and flow[-1][3] == both:
+                flow[-1] = (flow[-1][0], end, rate, both)
             else:
-                flow.append((start, end, rate))
+                flow.append((start, end, rate, both))
         return end
 
     def launch(
@@ -174,10 +247,13 @@ class Timeline:
         name: str,
         label: str | None,
         flops: Flops | None = None,
+        tensors: int = 0,
     ) -> TimelineOp:
         """Launch a stream op that may start no earlier than `ready_us` (its stream's tail); return it.
-        `flops` prices a compute op by arithmetic as well as by bytes (device.costs.op_flops)."""
-        self.host_us += self.preset.launch_us
+        `flops` prices a compute op by arithmetic as well as by bytes (device.costs.op_flops); `tensors` is how
+        many tensors it takes, for the host's cost of issuing it (Note [host clock])."""
+        self.charge_python()
+        self.host_us += self.issue_us(tensors)
         if lane in _OPPOSITE:
             start = max(self.host_us, ready_us, self._lane_free[lane])
             end = self._copy_end_us(lane, start, nbytes)
@@ -237,7 +313,23 @@ class Timeline:
         starts.insert(j, start)
         ends.insert(j, end)
 
+    def issue_us(self, tensors: int) -> float:
+        """Host time to issue one device op taking `tensors` tensors (Note [host clock])."""
+        return self.preset.launch_us + self.preset.host_tensor_us * max(tensors - 2, 0)
+
+    def charge_python(self) -> None:
+        """Under the "measured" host clock, advance it by the calling thread's CPU time outside the simulator's
+        frames since its previous op (Note [host clock]); under "ops", nothing."""
+        if self.host_clock != "measured":
+            return
+        now, inside = time.thread_time(), host_time.seconds()
+        mark = getattr(self._python_mark, "last", None)
+        self._python_mark.last = (now, inside)
+        if mark is not None:
+            self.host_us += max((now - mark[0]) - (inside - mark[1]), 0.0) * 1e6
+
     def host_op(self, nbytes: int, name: str, label: str | None) -> None:
+        self.charge_python()
         start = self.host_us
         self.host_us += nbytes / (self.preset.host_gbps * 1e3)
         self._ops.append(TimelineOp("host", "host", name, label, start, self.host_us, nbytes))

@@ -2,11 +2,11 @@
 ``overlap_forward``, per engine config. The overlap variant also keeps the config's ``prefetch`` setting
 (the resident and swap variants run without it), so it measures the config as it would train.
 
-Each variant trains ``warmup`` steps, then ``steps + 1`` more, all in one loop that never makes the host wait:
-the train-step period is the device time between the start of the first timed step and the start of the step
-after the last, read from the steps' own start events with one synchronize at the end. Start to start counts
-every update once, whether it ran on the compute stream (overlap off) or under the next forward (on: the
-forward of each timed step waits for the update before it).
+Each variant trains ``warmup`` steps, then ``steps`` more (at least 5) in one loop that never makes the host
+wait, between two synchronized marks (TrainEngine.synchronized_mark: the host waits for every queued step, its
+update and swap-outs included, before each mark): the train-step period is the device time between the marks
+over ``steps``. With overlap the host runs ahead of the device and each step's own events end before its update
+does, so per-step times under-report; the synchronized window counts every update and swap-out once.
 Forward time, the optimizer step alone and peak memory come from the same steps' metrics, read afterwards.
 
 overlap efficiency = hidden swap time / min(swap step, forward time), where hidden swap time = swap step -
@@ -27,6 +27,7 @@ from loguru import logger
 
 import device
 from swapopt.bench.timeline import Span, engine_spans
+from swapopt.engine.trainer import PERIOD_MIN_STEPS, elapsed_ms
 
 WARMUP = 2
 VARIANTS = ("resident", "swap", "overlap")  # swap_optimizer off; on; on with overlap_forward
@@ -80,25 +81,22 @@ def _variant(name: str, options: list[str], variant: str, steps: int, warmup: in
     from swapopt.engine.trainer import TrainEngine
 
     mod = device.get_torch_device_module()
-    engine = TrainEngine(_cfg(name, options, variant, warmup + steps + 1))
+    engine = TrainEngine(_cfg(name, options, variant, warmup + steps))
     cfg = engine.cfg
     picture: tuple[list[Span], list[float]] = ([], [])
     try:
-        # No synchronize after the warm-up: with overlap_forward the first timed forward must still wait for the
-        # last warm-up update, as every forward does in a run; start to start then counts each update once.
         for _ in range(warmup):
             engine.train_step()
+        start = engine.synchronized_mark()
         timed = []
-        for i in range(steps + 1):  # no host sync in this loop
-            if capture and i == steps - 1 and hasattr(mod, "reset_timeline"):
+        for i in range(steps):  # no host sync in this loop
+            if capture and i == steps - 2 and hasattr(mod, "reset_timeline"):
                 mod.reset_timeline()  # the picture: the last two steps
             timed.append(engine.train_step())
-        engine.wait_for_update()
-        mod.synchronize()  # the one wait of the timed loop
-        period_ms = timed[0].start.elapsed_time(timed[-1].start) / steps
+        period_ms = elapsed_ms(start, engine.synchronized_mark()) / steps
         if capture:  # step starts: the simulator's event times
             picture = engine_spans([m.start.time_us for m in timed[-2:] if getattr(m.start, "time_us", None) is not None])
-        lines = [m.resolve() for m in timed[:-1]]
+        lines = [m.resolve() for m in timed]
         row = {
             "variant": variant,
             "params": engine.n_params,
@@ -162,8 +160,9 @@ def run_e2e(spec: str, steps: int = 2, warmup: int = WARMUP, on_done: Callable[[
             capture: bool = True) -> tuple[dict, tuple[list[Span], list[float]]]:
     """The row of engine config ``spec`` ('name' or 'name:key=value:...') and, with ``capture``, the spans of
     two consecutive overlapped train steps and their start times (simulator only)."""
-    if steps < 1:
-        raise ValueError(f"--e2e-steps must be at least 1, got {steps}")
+    if steps < PERIOD_MIN_STEPS:
+        raise ValueError(f"--e2e-steps must be at least {PERIOD_MIN_STEPS} (a train-step period is taken over a "
+                         f"synchronized window of at least that many steps), got {steps}")
     name, options = parse_spec(spec)
     runs: dict[str, dict] = {}
     picture: tuple[list[Span], list[float]] = ([], [])

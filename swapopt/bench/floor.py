@@ -6,7 +6,9 @@ Two floors per row, both copy latencies aside:
   either direction alone at its rate: what a link that splits the cap evenly allows;
 - the rule floor, the least time under the preset's sharing rule: the cap floor under "first" (taking turns
   at launching first splits the cap), more under a fixed rule, where the favoured direction keeps its full
-  rate whenever it is busy and the other gets only the rest meanwhile (SimPreset.link_floor_us).
+  rate whenever it is busy and the other gets only the rest meanwhile; under "sized" (the calibrated presets'
+  rule) both directions at the rates the preset's table gives the row's chunk copies with both busy, then the
+  rest alone (SimPreset.link_floor_us).
 
 Runs on the simulator only: the rule is the simulator's (`--rules` sets it per run). Each row also checks
 the peak extra device memory against (slots + 1) x the largest chunk and that the swapped params are
@@ -39,7 +41,7 @@ from swapopt.bench.strategies import AdamWSpec, make_strategy
 
 DEFAULT_LAYOUTS = ("llama7b", "moe", "fsdp256")
 DEFAULT_TIMES = (16, 64)
-DEFAULT_RULES = ("first", "d2h")
+DEFAULT_RULES = ("sized", "first", "d2h")
 FLOOR_TARGET = 1.05  # step / floor the issue asks for
 
 
@@ -83,10 +85,12 @@ class FloorResult(BaseModel):
     notes: list[str] = []  # said under the table
 
 
-def floors_ms(preset: SimPreset, h2d_bytes: int, d2h_bytes: int) -> tuple[float, float]:
-    """(cap floor, rule floor) in ms for these bytes on this preset (module docstring)."""
+def floors_ms(preset: SimPreset, h2d_bytes: int, d2h_bytes: int, copy_bytes: int | None = None) -> tuple[float, float]:
+    """(cap floor, rule floor) in ms for these bytes on this preset (module docstring); `copy_bytes`, the size of
+    the chunk copies, picks the rates of a "sized" preset's table (None: the least floor over its sizes)."""
     even = dataclasses.replace(preset, link_sharing="first")
-    return even.link_floor_us(h2d_bytes, d2h_bytes) / 1e3, preset.link_floor_us(h2d_bytes, d2h_bytes) / 1e3
+    rule = preset.link_floor_us(h2d_bytes, d2h_bytes, copy_bytes if preset.link_sharing == "sized" else None)
+    return even.link_floor_us(h2d_bytes, d2h_bytes) / 1e3, rule / 1e3
 
 
 def _bitwise(params: list[torch.nn.Parameter], ref: list[torch.nn.Parameter], steps: int) -> bool:
@@ -112,7 +116,7 @@ def measure(
         slot_bytes = strategy.opt.operate.slot_bytes
         strategy.close()
         state_bytes = 8 * shape.numel  # exp_avg + exp_avg_sq, fp32, each way
-        cap_floor, rule_floor = floors_ms(preset, state_bytes, state_bytes)
+        cap_floor, rule_floor = floors_ms(preset, state_bytes, state_bytes, slot_bytes)
         same = _bitwise(params, ref, warmup + repeats) if ref is not None else None
     return FloorRow(
         layout=shape.name, tensors=shape.count, numel=shape.numel, scale=shape.scale, rule=rule, times=times,
@@ -159,8 +163,10 @@ def markdown(res: FloorResult) -> str:
         "each the step after the first.",
         "",
         "Cap floor = (H2D bytes + D2H bytes) / the cap with both directions busy (no less than one direction "
-        "alone); rule floor = the least time under the row's sharing rule: the cap floor under `first` (the "
-        "copy launched first keeps its rate), and under `d2h` (D2H always keeps its rate, H2D gets the rest) "
+        "alone); rule floor = the least time under the row's sharing rule: under `sized` both directions at the "
+        "rates the preset's table gives the row's chunk copies with both busy, then the rest alone; the cap "
+        "floor under `first` (the copy launched first keeps its rate), and under `d2h` (D2H always keeps its "
+        "rate, H2D gets the rest) "
         "D2H's bytes at its rate, H2D getting cap - that meanwhile, then the rest of H2D's bytes alone "
         f"({_fixed_rule_factor(p):.3f}x the cap floor here). Target: step <= {FLOOR_TARGET}x the floor. "
         "Peak = extra device memory of a step, against (slots + 1) x the largest chunk. Bitwise = params equal "

@@ -6,13 +6,19 @@ Peers (each used through its own package, as a user would):
 - ``resident``: torch.optim.AdamW (fused), states on the device: the baseline.
 - ``swapopt``: swapopt.SwapOptimizer around the same AdamW.
 - ``xtuner-swapadamw``: XTuner v1's ``SwapAdamW`` (per-param swap in / update / swap out on the caller's
-  stream, one synchronize at the end). XTuner v1 is not on the package registry: it is imported when
+  stream, one synchronize at the end) with its own defaults (``fused=None``, ``foreach=None``: torch picks
+  foreach on a device), as its users run it. XTuner v1 is not on the package registry: it is imported when
   ``xtuner.v1`` is importable or ``SWAPOPT_XTUNER_SRC`` names a checkout of InternLM/xtuner.
+- ``xtuner-swapadamw-fused``: the same with ``fused=True``, not its default; on CUDA it fails (its host ``step``
+  tensors meet the fused kernel's device check), and the row says so with XTuner's error.
 - ``torchao-cpu-offload``: ``torchao.optim.CPUOffloadOptimizer`` (grads go down in backward hooks, torch's
   fused CPU AdamW steps on the host, params go back up; params under 4,096 elements stay on the device).
 - ``deepspeed-cpu-adam``: ``deepspeed.ops.adam.DeepSpeedCPUAdam`` stepping fp32 master params in pinned
   host memory; the grads-down / params-up around it are this module's (what ZeRO-Offload does for one
   rank), since the optimizer itself only updates host tensors.
+
+Every peer runs with its own defaults except where a row's name says otherwise. A peer that raises while it
+trains is its own failure: the row has ``failed=True`` and the error (``reason``), never a figure.
 
 The model is the engine's byte-level LM (``swapopt.engine.model.TinyLM``), the data the shipped Shakespeare
 corpus through ``ByteBatches``, AdamW hyperparameters the same for every peer. A timed step is one train
@@ -52,14 +58,16 @@ import device
 
 LR, BETAS, EPS, WEIGHT_DECAY = 3e-3, (0.9, 0.95), 1e-8, 0.1
 MB = 1 << 20
-PEERS = ("resident", "swapopt", "xtuner-swapadamw", "torchao-cpu-offload", "deepspeed-cpu-adam")
+PEERS = ("resident", "swapopt", "xtuner-swapadamw", "xtuner-swapadamw-fused", "torchao-cpu-offload",
+         "deepspeed-cpu-adam")
 DEFAULT_OUT = Path("bench/results")
 
 
 class PeerResult(BaseModel):
     name: str
     available: bool
-    reason: str | None = None  # why the peer did not run (import error, build failure, ...)
+    reason: str | None = None  # why the peer did not run (import error, build failure, ...) or the error it failed with
+    failed: bool = False  # the peer was there and raised while it trained (in this row's configuration): its failure
     step_ms: float | None = None  # median train step (forward + backward + step); modeled on the simulator
     device_peak_bytes: int | None = None  # max_memory_allocated over the timed steps
     note: str | None = None  # how step_ms is counted, whether the result matches resident AdamW, ...
@@ -239,15 +247,17 @@ def _xtuner_device() -> Iterator[None]:
         module.DEVICE, module.DEVICE_MODULE = saved
 
 
-def _xtuner(params: list[torch.nn.Parameter], size: Size) -> Peer:
+def _xtuner(params: list[torch.nn.Parameter], size: Size, fused: bool | None = None) -> Peer:
+    """XTuner's SwapAdamW; ``fused=None`` passes no ``fused`` at all (its default)."""
     cls, where = xtuner_swap_adamw()
     if cls is None:
         raise _Unavailable(where)
     stack = contextlib.ExitStack()
     stack.enter_context(_xtuner_device())
+    flags = {} if fused is None else {"fused": fused}
     try:
-        opt = cls(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, fused=True,
-                  swap_optimizer_times=size.swap_optimizer_times)
+        opt = cls(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY,
+                  swap_optimizer_times=size.swap_optimizer_times, **flags)
     except BaseException:
         stack.close()
         raise
@@ -257,8 +267,9 @@ def _xtuner(params: list[torch.nn.Parameter], size: Size) -> Peer:
         stack.close()
 
     # Its step synchronizes the device at the end: nothing left to drain.
+    how = "its defaults: fused=None, foreach=None" if fused is None else f"fused={fused}, not its default"
     return Peer(opt, opt.step, lambda: opt.zero_grad(set_to_none=True), close,
-                notes=[f"XTuner SwapAdamW(fused=True) from {where}"])
+                notes=[f"XTuner SwapAdamW({how}) from {where}"])
 
 
 def torchao_offload() -> tuple[type | None, str | None]:
@@ -534,6 +545,7 @@ def run_peer(name: str, size: Size, steps: int, build: bool, baseline: _Run | No
         "resident": lambda ps: _resident(ps, size),
         "swapopt": lambda ps: _swapopt(ps, size),
         "xtuner-swapadamw": lambda ps: _xtuner(ps, size),
+        "xtuner-swapadamw-fused": lambda ps: _xtuner(ps, size, fused=True),
         "torchao-cpu-offload": lambda ps: _torchao(ps, size),
         "deepspeed-cpu-adam": lambda ps: _deepspeed(ps, size, build),
     }
@@ -543,8 +555,9 @@ def run_peer(name: str, size: Size, steps: int, build: bool, baseline: _Run | No
     except _Unavailable as err:
         return PeerResult(name=name, available=False, reason=str(err)), None
     except Exception as err:  # noqa: BLE001 - a peer failing here is a row, never a crash of the comparison
+        # The peer is there and failed in this configuration: its failure, with its error.
         detail = traceback.extract_tb(err.__traceback__)[-1]
-        return PeerResult(name=name, available=False,
+        return PeerResult(name=name, available=True, failed=True,
                           reason=f"{_reason(err)} (at {Path(detail.filename).name}:{detail.lineno})"), None
     finally:
         if peer is not None:
@@ -589,8 +602,10 @@ def run_peer(name: str, size: Size, steps: int, build: bool, baseline: _Run | No
             notes.append(f"Adam on the CPU ({cpu_kernel}), not expected bitwise with the device AdamW: "
                          f"max |param - resident's| {diff:.3g}{why}")
         else:
+            why = (" (its default kernel is torch's foreach AdamW, the baseline's fused: rounding differs)"
+                   if name == "xtuner-swapadamw" else "")
             notes.append("bitwise equal to resident AdamW" if diff == 0.0
-                         else f"NOT bitwise equal to resident AdamW: max |param - resident's| {diff:.3g}")
+                         else f"NOT bitwise equal to resident AdamW: max |param - resident's| {diff:.3g}{why}")
     return PeerResult(name=name, available=True, step_ms=step_ms, device_peak_bytes=max(run.peaks),
                       note="; ".join(notes)), run
 
@@ -649,13 +664,17 @@ def markdown(rows: list[PeerResult], header: dict[str, Any]) -> str:
         if not r.available:
             lines.append(f"| {r.name} | no | - | - | - | - |")
             continue
+        if r.failed:
+            lines.append(f"| {r.name} | FAILED | - | - | - | - |")
+            continue
         vs_t = f"{r.step_ms / resident.step_ms:.2f}x" if resident and resident.step_ms else "-"
         vs_m = f"{r.device_peak_bytes / resident.device_peak_bytes:.2f}x" \
             if resident and resident.device_peak_bytes else "-"
         lines.append(f"| {r.name} | yes | {r.step_ms:.3f} ms | {vs_t} | {r.device_peak_bytes / MB:.1f} MB | {vs_m} |")
     lines += ["", "## Notes and reasons", ""]
     for r in rows:
-        lines.append(f"- **{r.name}**: " + (r.note or "" if r.available else f"unavailable: {r.reason}"))
+        text = f"failed: {r.reason}" if r.failed else (r.note or "" if r.available else f"unavailable: {r.reason}")
+        lines.append(f"- **{r.name}**: " + text)
     lines.append("")
     return "\n".join(lines)
 

@@ -90,15 +90,30 @@ def size_table(size: SizeResult) -> str:
         + (f" ({size.bound_note})" if size.bound_note else "")
         + ".",
         "",
-        "| strategy | reproduces | step ms | x bound | peak extra MB | chunk MB | cap MB | pinned host MB | note |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---|",
+        "| strategy | reproduces | step ms | x bound | peak extra MB | chunk MB | cap MB | pinned host MB |"
+        " one step moved in / out MB (needs) | params changed | note |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|---:|---|",
     ]
     for r in size.rows:
         mb = [_mb(v) for v in (r.peak_extra_bytes, r.chunk_bytes, r.cap_bytes, r.host_bytes)]
+        step = "ERROR" if r.error else _fmt(r.step_ms, ".2f")
+        note = "; ".join(x for x in (f"ERROR: {r.error}" if r.error else "", r.note) if x)
         lines.append(
-            f"| {r.label} | {r.reproduces} | {_fmt(r.step_ms, '.2f')} | {_fmt(r.ratio, '.2f')} | {' | '.join(mb)} | {r.note} |"
+            f"| {r.label} | {r.reproduces} | {step} | {_fmt(r.ratio, '.2f')} | {' | '.join(mb)} | {moved(r)} | "
+            f"{changed(r)} | {note} |"
         )
     return "\n".join(lines)
+
+
+def moved(r: Row) -> str:
+    """'in / out (needs in / out)' MB of a row's proof step, or '-' where none ran."""
+    if r.h2d_bytes is None:
+        return "-"
+    return f"{_mb(r.h2d_bytes)} / {_mb(r.d2h_bytes)} ({_mb(r.need_h2d_bytes)} / {_mb(r.need_d2h_bytes)})"
+
+
+def changed(r: Row) -> str:
+    return "-" if r.params_total is None else f"{r.params_changed}/{r.params_total}"
 
 
 def targets_table(targets: list[Targets]) -> str:
@@ -237,6 +252,9 @@ def summary_table(report: Report) -> str:
         cells = []
         for s in sizes:
             row = next((r for r in s.rows if r.label == label), None)
+            if row is not None and row.error:
+                cells.append("error: did not do the work (see the table)")
+                continue
             cells.append("-" if row is None or row.ratio is None else f"{row.ratio:.2f}x" + (f" {row.note}" if row.note else ""))
         if last:
             row = next((r for r in last.rows if r.label == label), None)

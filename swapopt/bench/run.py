@@ -12,6 +12,7 @@ from pydantic import BaseModel, Field
 import device
 from swapopt.bench.measure import Bandwidth, bound_ms, free_device_memory, measure_bandwidth, time_steps
 from swapopt.bench.model import ModelShape, make_params, shape_for
+from swapopt.bench.proof import prove
 from swapopt.bench.strategies import (
     MASTER_WEIGHT_STRATEGIES,
     STRATEGY_DOCS,
@@ -23,6 +24,9 @@ from swapopt.bench.strategies import (
 
 # The bandwidth probe copies at most this much per direction, so it fits beside the largest models.
 MAX_PROBE_BYTES = 1 << 30
+# With master_weights the resident row is the recipe the swapped rows reproduce, not an fp32 job: bf16 params, fp32
+# masters and states on the device (strategies.Resident); the bound takes its time.
+RESIDENT_RECIPE = "the bf16 recipe: bf16 params, fp32 masters and AdamW states on the device"
 
 
 class BenchConfig(BaseModel):
@@ -55,6 +59,16 @@ class Row(BaseModel):
     chunk_bytes: int | None = None
     cap_bytes: int | None = None  # (slots + 1) x chunk bytes, swapopt rows only
     host_bytes: int | None = None
+    # What one more step after the timed ones really did (swapopt.bench.proof): bytes copied each way, the bytes it
+    # must copy (its state bytes for a swap), and the params it changed. A row short of any of them has `error`
+    # set and no step time: a step that did not do the work is no figure.
+    h2d_bytes: int | None = None
+    d2h_bytes: int | None = None
+    need_h2d_bytes: int | None = None
+    need_d2h_bytes: int | None = None
+    params_changed: int | None = None
+    params_total: int | None = None
+    error: str | None = None
     note: str = ""
 
 
@@ -95,11 +109,27 @@ def plan_length(cfg: BenchConfig) -> int:
     return len(_plan(cfg))
 
 
-def swap_budget(opt: Any, slots: int) -> tuple[int, int]:
+def swap_budget(opt: Any, slots: int) -> tuple[int | None, int | None]:
     """(chunk bytes, cap bytes) of a swapopt step: the largest chunk the engine planned (states, and with
-    master_weights the masters and the grads upcast beside them), and (slots + 1) such chunks."""
+    master_weights the masters and the grads upcast beside them), and (slots + 1) such chunks; None before a plan."""
+    if opt._layout.prepared is None:  # no step planned (a row that did not step is an error anyway)
+        return None, None
     chunk_bytes = opt._layout.prepared.plan.max_chunk_bytes
     return chunk_bytes, (slots + 1) * chunk_bytes
+
+
+def check_row(row: Any, strategy: Any, params: list[torch.nn.Parameter]) -> None:
+    """Run one more step of `strategy` under swapopt.bench.proof and record on `row` what it moved and changed;
+    a step that moved fewer bytes than it must or left a param unchanged makes the row an error without a time."""
+    proof = prove(lambda: (strategy.step(), strategy.drain()), params, strategy.moves())
+    row.h2d_bytes, row.d2h_bytes = proof.h2d_bytes, proof.d2h_bytes
+    row.need_h2d_bytes, row.need_d2h_bytes = proof.need_h2d_bytes, proof.need_d2h_bytes
+    row.params_changed, row.params_total = proof.params_changed, proof.params_total
+    if proof.error:
+        timed = f" (its timed step took {row.step_ms:.3f} ms)" if row.step_ms is not None else ""
+        row.error = proof.error + timed
+        row.step_ms = None
+        logger.error("{}: {}", row.label, row.error)
 
 
 def measure_strategy(
@@ -147,12 +177,14 @@ def run_size(
     )
     rows: list[Row] = []
     for kind, times, slots in plan:
-        row = Row(size_b=size_b, numel=shape.numel, kind=kind, label=kind, reproduces=STRATEGY_DOCS[kind])
+        reproduces = RESIDENT_RECIPE if cfg.master_weights and kind == "resident" else STRATEGY_DOCS[kind]
+        row = Row(size_b=size_b, numel=shape.numel, kind=kind, label=kind, reproduces=reproduces)
 
         def measure(strategy: Any) -> None:
             timing = time_steps(strategy, warmup=cfg.warmup, repeats=cfg.repeats)
             row.step_ms, row.peak_extra_bytes = timing.step_ms, timing.peak_extra_bytes
             row.host_bytes = strategy.host_bytes()
+            check_row(row, strategy, params)
             if kind == "swapopt":
                 row.times, row.slots = times, slots
                 row.chunk_bytes, row.cap_bytes = swap_budget(strategy.opt, slots)

@@ -3,9 +3,11 @@
 Every strategy steps AdamW over the same device params (grads already set) and exposes:
 ``step()``, ``drain()`` (the host waits until every state is back where it lives between steps),
 ``state_of(p)`` (exp_avg / exp_avg_sq / step of param p, for parity checks), ``host_bytes()`` (pinned
-host memory it holds) and ``close()``. The reference strategies call torch's own functional AdamW
-(``torch.optim.adamw.adamw``) with the same foreach/fused flags as the resident optimizer, so
-their numbers are bitwise those of ``resident``: the comparison is about schedules, not kernels.
+host memory it holds), ``moves()`` (the bytes a step must copy host to device and device to host: its state
+bytes for a swap; checked against what one step really copied, swapopt.bench.proof) and ``close()``. The
+reference strategies call torch's own functional AdamW (``torch.optim.adamw.adamw``) with the same foreach/fused
+flags as the resident optimizer, so their numbers are bitwise those of ``resident``: the comparison is about
+schedules, not kernels.
 
 ``SerialSwap`` and ``OneInFlightSwap`` are also the reference schedules the modeled-time tests
 compare swapopt against.
@@ -111,6 +113,7 @@ class Strategy(Protocol):
     def drain(self) -> None: ...
     def state_of(self, param: torch.Tensor) -> dict[str, torch.Tensor]: ...
     def host_bytes(self) -> int: ...
+    def moves(self) -> tuple[int, int]: ...
     def close(self) -> None: ...
 
 
@@ -127,6 +130,14 @@ def _host_zeros_like(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch
 
 def _nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def state_bytes(params: Sequence[torch.Tensor], spec: AdamWSpec, keys: Sequence[str] | None = None) -> int:
+    """Bytes of the tensors a swap moves each way per step (states, and masters with master_weights) of the params
+    that have a grad."""
+    keys = spec.keys() if keys is None else keys
+    return sum(len(keys) * p.numel() * torch.empty((), dtype=spec.state_dtype(p)).element_size()
+               for p in params if p.grad is not None)
 
 
 class _HostStateStrategy:
@@ -148,6 +159,10 @@ class _HostStateStrategy:
 
     def drain(self) -> None:
         pass
+
+    def moves(self) -> tuple[int, int]:
+        n = state_bytes(self.params, self.spec, self.keys)
+        return n, n
 
     def state_of(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
         return {**{k: self.host[p][k] for k in STATE_KEYS}, "step": self.steps[p]}
@@ -190,6 +205,9 @@ class Resident:
     def host_bytes(self) -> int:
         return 0
 
+    def moves(self) -> tuple[int, int]:
+        return 0, 0  # nothing to move: it proves itself by changing every param
+
     def close(self) -> None:
         self.opt.state.clear()
 
@@ -204,6 +222,7 @@ class SwapOpt:
 
         self.label = f"swapopt t={times} s={slots}"
         self.times, self.slots = times, slots
+        self.params, self.spec = list(params), spec
         self.opt = SwapOptimizer(
             spec.make(params), swap_optimizer_times=times, slots=slots, master_weights=spec.master_weights
         )
@@ -219,6 +238,10 @@ class SwapOpt:
 
     def host_bytes(self) -> int:
         return self.opt.swap_stats(wait=False).pinned_requested_bytes  # states and masters, in their arenas
+
+    def moves(self) -> tuple[int, int]:
+        n = state_bytes(self.params, self.spec)
+        return n, n
 
     def close(self) -> None:
         self.opt.wait_for_swap_out()
@@ -337,6 +360,10 @@ class WholeSwap(_HostStateStrategy):
     label = "whole"
     reproduces = "RL onload / step / offload of all states"
 
+    def moves(self) -> tuple[int, int]:
+        n = state_bytes(self.params, self.spec, STATE_KEYS)
+        return n, n
+
     @torch.no_grad()
     def step(self) -> None:
         live = [p for p in self.params if p.grad is not None]
@@ -404,45 +431,76 @@ class HostStep(_HostStateStrategy):
     def drain(self) -> None:
         self.h2d.synchronize()
 
+    def moves(self) -> tuple[int, int]:
+        # Its states never move: grads go down, params come back up.
+        n = _nbytes(p for p in self.params if p.grad is not None)
+        return n, n
+
     def host_bytes(self) -> int:
         return super().host_bytes() + _nbytes(self.master.values()) + _nbytes(self.grads.values())
 
 
 def torchao_offload_class():
-    """torchao's CPUOffloadOptimizer class, or None when torchao (or CUDA, which it needs) is absent."""
-    if device.get_device() != "cuda" or device.is_simulated():  # the simulator's cuda flavour is no CUDA
+    """torchao's CPUOffloadOptimizer class, or None when torchao (or a CUDA device or the simulator, which torchao
+    runs on as on a GPU: swapopt.bench.peers) is absent."""
+    if device.get_device() != "cuda":  # the simulator's cuda flavour presents cuda
         return None
-    try:
-        from torchao.optim import CPUOffloadOptimizer
-    except ImportError:
-        try:
-            from torchao.prototype.low_bit_optim import CPUOffloadOptimizer
-        except ImportError:
-            return None
-    return CPUOffloadOptimizer
+    from swapopt.bench.peers import torchao_offload
+
+    return torchao_offload()[0]
 
 
 class TorchaoOffload:
-    """torchao.optim.CPUOffloadOptimizer wrapping torch AdamW (fused CPU step, per-param overlap)."""
+    """torchao.optim.CPUOffloadOptimizer wrapping torch AdamW (fused CPU step, per-param overlap).
 
-    reproduces = "torchao CPUOffloadOptimizer"
+    Its grads reach the host in post-accumulate-grad hooks, which only a backward fires: a step without one finds
+    no grad on the host and updates nothing. So its step runs a backward that hands the fixed grads to the params
+    (one view per param, its grad the benchmark's, accumulated into an empty ``.grad``), then ``step()``: the
+    timed step is the grads' copies down (in the hooks), the CPU AdamW steps and the params' copies up.
+
+    torchao gets leaves of its own that share the params' memory (its updates land in the benchmark's params), so
+    its hooks, which torchao registers without keeping a handle, go with the strategy."""
+
+    reproduces = "torchao CPUOffloadOptimizer (a backward drives its grad hooks)"
 
     def __init__(self, params: Sequence[torch.Tensor], spec: AdamWSpec):
+        import contextlib
+
+        from swapopt.bench.peers import _torchao_on_simulator
+
         cls = torchao_offload_class()
         if cls is None:
-            raise RuntimeError("torchao CPUOffloadOptimizer needs torchao and a CUDA device")
+            raise RuntimeError("torchao CPUOffloadOptimizer needs torchao and a CUDA device (or the simulator)")
         self.label = "torchao-offload"
         self.params = list(params)
-        self.opt = cls(
-            self.params, torch.optim.AdamW, fused=True,
-            lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay,
-        )
+        self.leaves = [p.detach().requires_grad_(True) for p in self.params]
+        self.grads = [p.grad for p in self.params]  # the benchmark's fixed grads, handed over each step
+        self._stack = contextlib.ExitStack()
+        self._stack.enter_context(_torchao_on_simulator())
+        try:
+            self.opt = cls(
+                self.leaves, torch.optim.AdamW, fused=True,
+                lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay,
+            )
+        except BaseException:
+            self._stack.close()
+            raise
 
     def step(self) -> None:
+        live = [(q, g) for q, g in zip(self.leaves, self.grads) if g is not None]
+        for q, _ in live:
+            q.grad = None
+        with torch.enable_grad():
+            torch.autograd.backward([q.view_as(q) for q, _ in live], grad_tensors=[g for _, g in live])
         self.opt.step()
 
     def drain(self) -> None:
         _mod().synchronize()
+
+    def moves(self) -> tuple[int, int]:
+        # Params of at least torchao's minimal_size: grads down, params up; smaller ones step on the device.
+        n = _nbytes(self.opt.param_d2h_map)
+        return n, n
 
     def state_of(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
         return {}
@@ -452,7 +510,10 @@ class TorchaoOffload:
         return 16 * sum(p.numel() for p in self.params)
 
     def close(self) -> None:
-        pass
+        _mod().synchronize()
+        self.opt.optim_dict.clear()
+        self.opt.param_d2h_map.clear()
+        self._stack.close()
 
 
 STRATEGY_DOCS: dict[str, str] = {

@@ -95,6 +95,10 @@ class AdamWConfig(SwapConfig):
     weight_decay: float = Field(default=0.1, ge=0)
     foreach: Optional[bool] = None
     fused: Optional[bool] = None
+    # The unswapped recipe master_weights reproduces: fp32 masters of the bf16 params and the optimizer's states on
+    # the device (swapopt.engine.device_masters). Only with swap_optimizer=false, no checkpoints and no RL: it is
+    # what the summary of a master-weights job compares with (train.compare_resident).
+    device_masters: bool = False
 
     @field_validator("type")
     @classmethod
@@ -113,6 +117,10 @@ class AdamWConfig(SwapConfig):
         accepted = inspect.signature(klass.__init__).parameters
         kwargs = {k: v for k, v in self.model_dump(exclude={"type", *SwapConfig.model_fields}).items()
                   if k in accepted and not (v is None and k in ("foreach", "fused"))}
+        if self.device_masters:
+            from swapopt.engine.device_masters import DeviceMasters
+
+            return DeviceMasters(params, lambda masters: klass(masters, **kwargs))  # type: ignore[return-value]
         optimizer = klass(params, **kwargs)
         _check_npu_kernels(optimizer)
         try:
@@ -158,7 +166,9 @@ class TrainConfig(_Strict):
     device: Literal["auto", "cuda", "npu", "cpu", "sim"] = "auto"
     sim_preset: str = "h100"  # simulator preset when no accelerator is found (or device="sim")
     sim_capacity_mb: Optional[float] = Field(default=None, gt=0)
-    compare_resident: int = Field(default=0, ge=0)  # >0: afterwards run this many steps with swapping off
+    # >0: afterwards run this many steps with swapping off (for master_weights: the bf16 recipe with fp32 masters on
+    # the device) and compare peaks; with at least 6, step periods too (a synchronized window after the first step)
+    compare_resident: int = Field(default=0, ge=0)
     save_on_interrupt: bool = False  # Ctrl-C: write a checkpoint of the last finished step before exiting
     host_ram_check: bool = True  # on the simulator/CPU: refuse a job whose estimated host RAM exceeds what is free
 
@@ -179,6 +189,18 @@ class EngineConfig(_Strict):
     lr: LRConfig = LRConfig()
     train: TrainConfig = TrainConfig()
     rl: Optional[RLConfig] = None
+
+    @model_validator(mode="after")
+    def _device_masters_alone(self) -> "EngineConfig":
+        if self.optim.device_masters:
+            clash = [what for what, on in (("optim.swap_optimizer=true", self.optim.swap_optimizer),
+                                           ("optim.master_weights=true", self.optim.master_weights),
+                                           ("train.checkpoint_dir", self.train.checkpoint_dir),
+                                           ("rl", self.rl is not None)) if on]
+            if clash:
+                raise ValueError(f"optim.device_masters=true is the unswapped recipe the summary compares with; it "
+                                 f"takes no {', '.join(clash)}")
+        return self
 
 
 def parse_cfg_options(options: Iterable[str]) -> dict[str, Any]:

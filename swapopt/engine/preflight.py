@@ -305,3 +305,45 @@ def slow_hint(est: Estimate) -> str | None:
 
 def local_world_size() -> int:
     return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
+def pinned_host_bytes(cfg: EngineConfig, n_params: int, local_world: int = 1, world: int | None = None) -> tuple[int, int]:
+    """(pinned bytes, of which fp32 masters) the ranks on this host keep for ``cfg``'s swapped optimizer: each
+    rank its 1/world share of the params' AdamW moments (and masters), less ``resident_mb`` (swapopt.hostmem)."""
+    from swapopt import hostmem
+
+    o = cfg.optim
+    if not o.swap_optimizer:
+        return 0, 0
+    world = world or max(1, int(os.environ.get("WORLD_SIZE", "1")))
+    dtype = getattr(torch, cfg.model.dtype)
+    resident = int(o.resident_mb * 2**20) if isinstance(o.resident_mb, (int, float)) else 0
+    total, masters = hostmem.job_host_bytes(n_params, dtype, o.master_weights, world, resident)
+    return local_world * total, local_world * masters
+
+
+def host_capacity(plan: DevicePlan) -> int | None:
+    """Host RAM free for pinned memory where the job runs: the simulated host's (SWAPOPT_SIM_HOST_MB or the
+    preset's host_capacity_bytes) on the simulator, MemAvailable on hardware."""
+    if plan.kind == "sim":
+        from device.sim.host_memory import capacity_from_env
+        from device.sim.presets import get_preset
+
+        return capacity_from_env(get_preset(plan.preset or "h100").host_capacity_bytes)
+    if plan.kind == "plain-cpu":
+        return None  # states are stepped in place: nothing is pinned
+    return available_host_bytes()
+
+
+def check_host_memory(cfg: EngineConfig, plan: DevicePlan, n_params: int | None, local_world: int = 1) -> None:
+    """swapopt.HostMemoryError before anything is built when the swapped states (and masters) of the ranks on
+    this host need more pinned host memory than it has free."""
+    from swapopt import hostmem
+
+    if n_params is None or not cfg.optim.swap_optimizer:
+        return
+    available = host_capacity(plan)
+    if available is None:
+        return
+    needed, masters = pinned_host_bytes(cfg, n_params, local_world)
+    hostmem.check(needed, needed, masters, available)

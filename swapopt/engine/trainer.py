@@ -40,6 +40,10 @@ from swapopt.engine.resume import META, resolve_checkpoint
 from swapopt.engine.schedule import lr_at
 
 _BACKENDS = {"cuda": "nccl", "npu": "hccl"}  # cpu and the simulator: gloo
+# A train-step period is taken over at least this many steps between two synchronized marks
+# (TrainEngine.synchronized_mark): with overlap the host runs ahead of the device, so one step's own events
+# under-report what a step costs, and a short window is dominated by where its ends fall.
+PERIOD_MIN_STEPS = 5
 
 
 def init_distributed(device_type: str) -> tuple[int, int]:
@@ -75,6 +79,11 @@ def shard_model(model: torch.nn.Module, torch_device: torch.device) -> None:
     for block in transformer_blocks(model):
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
+
+
+def elapsed_ms(start: Any, end: Any) -> float:
+    """Milliseconds between two marks of ``TrainEngine`` (events, or wall-clock floats on plain CPU)."""
+    return _elapsed_ms(start, end)
 
 
 def _elapsed_ms(start: Any, end: Any) -> float:
@@ -267,6 +276,15 @@ class TrainEngine:
         params outside a forward. A no-op otherwise."""
         if self.overlap:
             self.optimizer.wait_for_update()
+
+    def synchronized_mark(self) -> Any:
+        """A mark taken once every step queued so far is done on the device, its update and swap-outs included
+        (the host waits for them). Two such marks bracket a window of steps whose period, elapsed / steps, counts
+        all of their work, however far ahead of the device the host ran inside the window."""
+        self.wait_for_update()
+        if self.device_type != "cpu":
+            self.device_module.synchronize()  # every stream: swap-outs run on their own
+        return self._mark()
 
     # -- checkpoints ------------------------------------------------------------------------------------
     def _barrier(self) -> None:

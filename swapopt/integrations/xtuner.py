@@ -3,7 +3,9 @@
 Drop-in route (XTuner configs stay as they are)::
 
     import swapopt.integrations.xtuner as sx
-    sx.use_swapopt()        # in the config file, the launcher, or every Ray worker's start-up (see docs/xtuner.md)
+    sx.use_swapopt()        # in every process that builds the optimizer: the launcher, and each Ray worker's
+                            # start-up (worker_process_setup_hook), since workers get pickled config objects,
+                            # not the config file (see docs/xtuner.md)
     from xtuner.v1.config import AdamWConfig
     optim_cfg = AdamWConfig(lr=6e-5, swap_optimizer=True, swap_optimizer_times=16)
 
@@ -23,7 +25,13 @@ patches XTuner's ``AdamWConfig`` class in place, so every import of it sees the 
   ``check_optimizer_shards``), which would otherwise load with no moments and no error.
 
 Explicit route: ``from swapopt.integrations.xtuner import AdamWConfig`` (a subclass of XTuner's class when
-``xtuner.v1`` is importable, a pydantic model with the same fields otherwise), same fields and defaults.
+``xtuner.v1`` is importable, a pydantic model with the same fields otherwise), same fields and defaults. It
+builds swapopt wherever the config object goes, but patches nothing in XTuner's engine: without
+``use_swapopt()`` a multi-rank ``SwapAdamW`` checkpoint loads with wrong moments and no error, and XTuner's RL
+offload (skipped when ``swap_optimizer`` is set) leaves resident states on the device.
+
+Neither route makes a swapopt checkpoint load into XTuner's own ``SwapAdamW``: that optimizer asks for a
+``max_exp_avg_sq`` entry per param, which swapopt (like torch's AdamW) does not write.
 """
 
 from __future__ import annotations

@@ -3,6 +3,8 @@
 Examples::
 
     swapopt-verify                                  # on a GPU/NPU: everything, within 30 minutes on one device
+    swapopt-verify --quick                          # a short slot: within 6 minutes on one H100, start-up included
+    swapopt-verify --model bench/results/REPORT.json  # later, on any CPU machine: add the modeled side
     swapopt-verify --dry-run --out /tmp/verify      # the same path on the simulator at small sizes, under a minute
     swapopt-verify --dry-run --sim 910b --skip-device-tests
 """
@@ -17,11 +19,22 @@ from pathlib import Path
 from loguru import logger
 
 import device
-from swapopt.verify.run import DEFAULT_OUT, VerifyOptions, verify
+from swapopt.verify.plan import QUICK_BUDGET_S
+from swapopt.verify.run import DEFAULT_OUT, VerifyOptions, model_report, verify
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="swapopt-verify", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true",
+                    help=f"the short plan: device tests, calibration, quick table, layouts, one end-to-end config, "
+                    f"each phase stopped at its own time limit, within {QUICK_BUDGET_S // 60} minutes on one H100 "
+                    "including start-up; no peers, no modeled side (--model adds it later)")
+    ap.add_argument("--model", type=Path, metavar="REPORT.json",
+                    help="add the modeled side (the simulator with the preset the report's calibration wrote) and the "
+                    "comparison measured / modeled to a report written on a device; runs on any CPU machine and "
+                    "rewrites the report's JSON and markdown")
+    ap.add_argument("--preset", metavar="PRESET", help="with --model: model with this preset (a name or file) "
+                    "instead of the report's own")
     ap.add_argument("--dry-run", action="store_true",
                     help="run on the simulator at small sizes (the default without a GPU/NPU): 'measured' figures "
                     "are then the simulator's own; under a minute on 2 CPU cores")
@@ -46,8 +59,30 @@ def _error(text: str) -> int:
     return 2
 
 
+def _model(args: argparse.Namespace) -> int:
+    if not args.model.is_file():
+        return _error(f"--model: {args.model} is not a file")
+    logger.remove()
+    logger.add(sys.stderr, level="DEBUG" if args.verbose else "INFO")
+    try:
+        report, paths, ok = model_report(args.model, preset=args.preset, model_e2e=args.model_e2e)
+    except ValueError as err:
+        return _error(" ".join(str(err).split()))
+    for p in paths:
+        print(p)
+    rows = [r for r in report.comparisons() if r.ratio is not None]
+    print(f"measured / modeled: {len(rows)} figures compared")
+    if not ok:
+        print(f"FAILED modeled side: {report.phases[-1].status.removeprefix('failed: ')}")
+    return 0 if ok else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.model is not None:
+        return _model(args)
+    if args.preset:
+        return _error("--preset goes with --model")
     if (os.environ.get("SWAPOPT_DEVICE") or "").strip().lower() == "cpu":
         return _error("SWAPOPT_DEVICE=cpu: verify measures a GPU/NPU or, without one, runs on the simulator; unset "
                       "SWAPOPT_DEVICE")
@@ -70,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         print("no accelerator found: dry run on the simulator (small sizes; figures are modeled)")
     options = VerifyOptions(dry_run=dry_run, sim=args.sim, out=args.out, device_tests=not args.skip_device_tests,
                             bench=not args.skip_bench, peers=not args.skip_peers, model_e2e=args.model_e2e,
-                            progress=not args.no_progress)
+                            progress=not args.no_progress, quick=args.quick)
     report, paths, ok = verify(options)
     for p in paths:
         print(p)

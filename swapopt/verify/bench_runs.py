@@ -94,9 +94,25 @@ def run_parts(plan: VerifyPlan, sizes: list[float], *, layout_caps: dict[str, in
     by the layout's name as run; None: the plan's cap, else what fits the device); with `e2e`, the end-to-end
     configs and, with `host_time`, the host time of their train steps."""
     parts = BenchParts()
+    run_sizes(plan, sizes, parts, progress)
+    run_layouts(plan, parts, layout_caps, progress)
+    if e2e:
+        run_e2e_configs(plan, parts, host_time, progress)
+    return parts
+
+
+def run_sizes(plan: VerifyPlan, sizes: list[float], parts: BenchParts,
+              progress: Callable[[], None] = lambda: None) -> None:
+    """The quick table at `sizes`, each size appended to `parts` as it is done (a stopped phase keeps them)."""
     cfg = bench_config(plan, sizes)
     for size in sizes:
         parts.sizes.append(run_size(size, cfg, on_done=lambda _: progress()))
+
+
+def run_layouts(plan: VerifyPlan, parts: BenchParts, layout_caps: dict[str, int] | None,
+                progress: Callable[[], None] = lambda: None) -> None:
+    """The plan's layouts (see run_parts), each appended to `parts` as it is done."""
+    cfg = bench_config(plan, [])
     default_cap = plan.layout_max_numel if plan.layout_max_numel is not None else None
     for name in plan.layouts:
         layout = plan_layout(plan, name)
@@ -106,18 +122,19 @@ def run_parts(plan: VerifyPlan, sizes: list[float], *, layout_caps: dict[str, in
         parts.layouts.append(run_layout(layout, times=plan.layout_times, max_numel=cap, impl=cfg.impl,
                                         warmup=cfg.warmup, repeats=cfg.repeats))
         progress()
-    if e2e:
-        for spec in plan.e2e:
-            path_spec, short = _resolve_spec(spec)
-            row, _ = run_e2e(path_spec, steps=plan.e2e_steps, warmup=plan.e2e_warmup, on_done=progress,
-                             capture=False)
-            row["config"] = short
-            parts.e2e.append(row)
-            if host_time:
-                parts.host.append(train_host_time(path_spec, short, row, warmup=plan.e2e_warmup,
-                                                  steps=plan.e2e_steps))
-            progress()
-    return parts
+
+
+def run_e2e_configs(plan: VerifyPlan, parts: BenchParts, host_time: bool = True,
+                    progress: Callable[[], None] = lambda: None) -> None:
+    """The plan's end-to-end configs (and with `host_time` their host time), each appended to `parts` when done."""
+    for spec in plan.e2e:
+        path_spec, short = _resolve_spec(spec)
+        row, _ = run_e2e(path_spec, steps=plan.e2e_steps, warmup=plan.e2e_warmup, on_done=progress, capture=False)
+        row["config"] = short
+        parts.e2e.append(row)
+        if host_time:
+            parts.host.append(train_host_time(path_spec, short, row, warmup=plan.e2e_warmup, steps=plan.e2e_steps))
+        progress()
 
 
 def train_host_time(spec: str, short: str, row: dict, *, warmup: int, steps: int) -> HostTime:

@@ -4,11 +4,14 @@ Every time comes from device events on the current device module, so the same pr
 NPU or the simulator (whose events report its timeline model). `calibrated_preset.py` turns the result
 into simulator figures.
 
-Both directions at once: each direction's copies are issued as one block on its own stream, once with the
-H2D block first and once with the D2H block first, because which direction gives way may depend on the
-order (the simulator's model lets the first-launched copy keep its rate; hardware may favour one direction
-whatever the order). The blocks neither start nor end together, so each direction's rate while both were
-busy is worked out from the bytes it moved outside that window at its own rate (see `_duplex`).
+Both directions at once: the two directions' copies are issued in turn, each on its own stream, once with an
+H2D copy leading each pair and once with a D2H copy leading, because which direction gives way may depend on
+the order. In turn, not as two blocks, because that is how a swapped step issues them (the swap-in of one
+chunk beside the swap-out of another), and because a model that cannot slow copies already scheduled (the
+simulator's) would otherwise let the whole first block keep its rate. The H100 run of 2026-11-26 issued blocks
+and saw the same rates in both orders from 16 MB on (device/sim/presets.py, Note [link sharing]). The copies
+of the two directions neither start nor end together, so each direction's rate while both were busy is worked
+out from the bytes it moved outside that window at its own rate (see `_duplex`).
 """
 
 from __future__ import annotations
@@ -65,6 +68,9 @@ class LaunchCost(BaseModel):
     host_launch_us: float  # host wall time per launch (on the simulator: its own Python, not modeled)
     event_record_us: float  # host wall time per event record (same caveat)
     event_gap_us: float  # device time between two events recorded back to back
+    # Host wall time of a resident fused AdamW step over many small tensors, per tensor its ops take (the
+    # preset's host_tensor_us; on the simulator, its own Python). None in calibrations made before it.
+    host_tensor_us: float | None = None
 
 
 class Calibration(BaseModel):
@@ -116,21 +122,24 @@ def _copy_runs(nbytes: int, repeats: int) -> tuple[dict[str, float], list[Duplex
         return start.elapsed_time(end) / (repeats - 1)
 
     def both(order: tuple[str, str]) -> dict[str, tuple[float, float]]:
-        """(start, end) ms of each direction's block of copies, the first direction's block issued whole
-        before the second's (a launch-order sharing rule then favours the first), from one common origin."""
+        """(start, end) ms of each direction's copies, issued in turn with `order[0]` leading each pair, from
+        one common origin."""
         mod.synchronize()
         origin = _event()
         origin.record()
-        marks = {}
+        starts = {}
         for d in order:
             streams[d].wait_event(origin)
-            start = _event()
-            start.record(streams[d])
-            for _ in range(repeats):
+            starts[d] = _event()
+            starts[d].record(streams[d])
+        for _ in range(repeats):
+            for d in order:
                 copy(d)
+        marks = {}
+        for d in order:
             end = _event()
             end.record(streams[d])
-            marks[d] = (start, end)
+            marks[d] = (starts[d], end)
         mod.synchronize()
         return {d: (origin.elapsed_time(s), origin.elapsed_time(e)) for d, (s, e) in marks.items()}
 
@@ -248,7 +257,36 @@ def measure_launch(count: int) -> LaunchCost:
     events[-1].synchronize()
     gap_ms = events[0].elapsed_time(events[-1]) / max(count - 1, 1)
     return LaunchCost(kernel_us=ms * 1e3 / count, host_launch_us=host_s * 1e6 / count,
-                      event_record_us=record_s * 1e6 / count, event_gap_us=gap_ms * 1e3)
+                      event_record_us=record_s * 1e6 / count, event_gap_us=gap_ms * 1e3,
+                      host_tensor_us=measure_host_per_tensor(HOST_PROBE_TENSORS, host_s * 1e6 / count))
+
+
+# Tensors of the host-cost probe: enough that their per-tensor cost dwarfs the step's fixed launches.
+HOST_PROBE_TENSORS = 1000
+# Tensors a fused AdamW step's ops take per param: params, grads, exp_avgs, exp_avg_sqs and steps in the fused
+# kernel, the steps again in the foreach increment before it.
+FUSED_ADAMW_TENSORS_PER_PARAM = 6
+
+
+def measure_host_per_tensor(n: int, host_us_per_launch: float, repeats: int = 5) -> float:
+    """Host wall time of a resident fused AdamW step over `n` small params, less its two launches, per tensor
+    its ops take (the median of `repeats` steps)."""
+    dev = device.torch_device()
+    params = [torch.nn.Parameter(torch.zeros(16, device=dev)) for _ in range(n)]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    opt = torch.optim.AdamW(params, lr=1e-3, fused=True)
+    opt.step()
+    opt.step()  # first steps do one-time work (state creation, lazy imports)
+    times = []
+    for _ in range(repeats):
+        device.get_torch_device_module().synchronize()
+        t0 = time.perf_counter()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+    device.get_torch_device_module().synchronize()
+    host_us = statistics.median(times) * 1e6 - 2 * host_us_per_launch
+    return max(host_us, 0.0) / (FUSED_ADAMW_TENSORS_PER_PARAM * n)
 
 
 def capacity_bytes() -> int | None:

@@ -79,14 +79,20 @@ def _scale(measured_bytes: int, modeled_bytes: int) -> tuple[float, str]:
 def _step_rows(section: str, state_bytes: int, rows: list[Any], modeled: Any | None) -> list[Comparison]:
     """Step time and step / bound of each measured row beside the modeled row of the same label (a quick-table
     size or a layout: both have ``state_bytes`` and rows with ``label``, ``step_ms`` and ``ratio``)."""
-    factor, note = _scale(state_bytes, modeled.state_bytes) if modeled else (1.0, "")
+    factor, scaled = _scale(state_bytes, modeled.state_bytes) if modeled else (1.0, "")
     out = []
     for r in rows:
         m = next((x for x in modeled.rows if x.label == r.label), None) if modeled else None
+        # A quick-table row proves its work (swapopt.bench.proof); one that did not is an error, and a row written
+        # before rows carried the proof says so. Layout rows carry no proof.
+        error, proof = getattr(r, "error", None), getattr(r, "params_total", 0)
+        why = f"measured row is an error: {error}" if error else (
+            "measured before rows proved their work (bytes moved, params changed)" if proof is None else "")
+        note = "; ".join(x for x in (scaled, why) if x)
         out.append(Comparison(section=section, item=f"{r.label} step", unit="ms", measured=r.step_ms,
                               modeled=m.step_ms * factor if m and m.step_ms is not None else None, note=note))
         out.append(Comparison(section=section, item=f"{r.label} step / bound", unit="x", measured=r.ratio,
-                              modeled=m.ratio if m else None))
+                              modeled=m.ratio if m else None, note=why))
     return out
 
 

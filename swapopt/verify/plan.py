@@ -1,8 +1,11 @@
-"""What a verify run measures, on a device and in a dry run: sizes, repeats, layouts, configs.
+"""What a verify run measures, on a device and in a dry run: sizes, repeats, layouts, configs, time limits.
 
 The device plan is sized to finish within 30 minutes on one GPU or NPU (every phase's share is in the
 comments); the dry plan runs the same code paths at sizes the simulator finishes in under a minute on
-two CPU cores, so CI keeps the command working.
+two CPU cores, so CI keeps the command working. The quick plans (``--quick``) fit a short slot on a shared
+device: device tests, calibration, quick table, layouts and one end-to-end config, each phase stopped at its
+own time limit, within QUICK_BUDGET_S including start-up; the modeled side is left to a CPU machine
+(``--model REPORT.json``).
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ class VerifyPlan(BaseModel):
     # hundreds of tensors, each of which costs the simulator host time per op.
     layout_tensor_limit: int | None = None
     e2e: list[str] = Field(default_factory=list)  # engine config specs ('name:key=value:...')
-    e2e_steps: int = 3
+    e2e_steps: int = 5  # one synchronized window (swapopt.bench.e2e): at least 5
     e2e_warmup: int = 2
     # The modeled side of the bench rows runs on the simulator at no more than these sizes; larger measured
     # rows are compared against a smaller modeled run scaled by state bytes (said in the row).
@@ -53,6 +56,9 @@ class VerifyPlan(BaseModel):
     model_e2e: bool = False  # the simulator runs a forward as real CPU work: minutes per llm_1b step
     peer_steps: int = 5
     device_tests_timeout_s: int = 600
+    # Seconds each phase may run before it is stopped (and reported so; the later phases still run), by phase:
+    # "device tests", "calibration", "quick table", "layouts", "end to end", "capacity". None: no limit.
+    limits: dict[str, float] | None = None
 
 
 DEVICE_PLAN = VerifyPlan(
@@ -100,7 +106,7 @@ DRY_PLAN = VerifyPlan(
     layout_max_numel=200_000,
     layout_tensor_limit=12,
     e2e=["tiny:train.batch=1:train.seq_len=16:model.dim=32:model.n_layers=1"],
-    e2e_steps=1,
+    e2e_steps=5,
     e2e_warmup=1,
     model_bench_size=0.0002,
     model_layout_max_numel=200_000,
@@ -108,3 +114,32 @@ DRY_PLAN = VerifyPlan(
     peer_steps=1,
     device_tests_timeout_s=300,
 )
+
+# Seconds from the start of the process to the last file written, on one H100 (device start-up, the interpreter
+# and torch's import before verify starts included, QUICK_STARTUP_S of it).
+QUICK_BUDGET_S = 360
+QUICK_STARTUP_S = 30
+# Each phase's limit. Measured on one H100 (2026-11-26, at commit e190371): device tests 13 s, calibration 6 s,
+# quick table at 0.5B most of a minute with pinning, layouts at 300M params and two configs end to end 158 s
+# together; the limits below are that with room, and sum with start-up to QUICK_BUDGET_S.
+QUICK_LIMITS = {"device tests": 45.0, "calibration": 30.0, "quick table": 90.0, "layouts": 75.0,
+                "end to end": 60.0, "capacity": 30.0}
+
+QUICK_DEVICE_PLAN = DEVICE_PLAN.model_copy(update={
+    "bench_sizes": [0.5],
+    "reference_times": [16],
+    # layouts cut to 100M params (tensor counts kept, swapopt.bench.layout_run): the moe layout's 3,299 tensors
+    # are what it is about
+    "layout_max_numel": 100_000_000,
+    "e2e": ["llm_100m:optim.prefetch=true"],
+    "e2e_warmup": 2,
+    "limits": QUICK_LIMITS,
+    "device_tests_timeout_s": int(QUICK_LIMITS["device tests"]),
+})
+
+QUICK_DRY_PLAN = DRY_PLAN.model_copy(update={
+    # the quick table with every strategy the simulator runs, torchao's included
+    "strategies": ["resident", "swapopt", "serial", "one-in-flight", "whole", "host-step", "torchao-offload"],
+    # two CPU cores in CI: generous, so only a broken phase reaches them
+    "limits": {name: 240.0 for name in QUICK_LIMITS},
+})

@@ -3,6 +3,7 @@ installed), with every figure measured and modeled side by side and the ratio of
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from swapopt.verify.calibrate import Calibration, CopyPoint
 from swapopt.verify.comparison import Comparison, bench_rows, calibration_rows
 from swapopt.verify.device_tests import DeviceTests
 from swapopt.verify.environment import Environment
+from swapopt.verify.plan import VerifyPlan
 
 # Preset figures shown base against calibrated (the rest of a preset is not measured here).
 PRESET_FIGURES = ("h2d_gbps", "d2h_gbps", "duplex_gbps", "copy_latency_us", "hbm_gbps", "bf16_tflops", "launch_us",
@@ -25,11 +27,13 @@ PRESET_FIGURES = ("h2d_gbps", "d2h_gbps", "duplex_gbps", "copy_latency_us", "hbm
 class Phase(BaseModel):
     name: str
     seconds: float
-    status: str = "ok"  # "ok", "skipped: why" or "failed: why"
+    status: str = "ok"  # "ok", "skipped: why", "stopped: ..." (past its time limit) or "failed: why"
+    limit_s: float | None = None  # the time limit it ran under
 
 
 class VerifyReport(BaseModel):
     dry_run: bool
+    quick: bool = False  # the quick plan (--quick): no peers, the modeled side left to --model
     date: str
     label: str  # device label of the measured side
     environment: Environment
@@ -49,6 +53,8 @@ class VerifyReport(BaseModel):
     peers_note: str | None = None
     phases: list[Phase] = []
     notes: list[str] = []
+    plan: VerifyPlan | None = None  # what was run (python -m swapopt.verify --model runs its modeled side)
+    capacity: Any = None  # swapopt.bench.capacity's table, as that module returns it
 
     def comparisons(self) -> list[Comparison]:
         rows: list[Comparison] = []
@@ -138,9 +144,22 @@ def _peers(report: VerifyReport) -> str:
     for p in report.peers:
         peak = p.get("device_peak_bytes")
         note = p.get("note") or p.get("reason") or ""
-        lines.append(f"| {p.get('name')} | {'yes' if p.get('available') else 'no'} | {_num(p.get('step_ms'), '.2f')} | "
+        ran = "FAILED" if p.get("failed") else ("yes" if p.get("available") else "no")
+        lines.append(f"| {p.get('name')} | {ran} | {_num(p.get('step_ms'), '.2f')} | "
                      f"{_num(None if peak is None else peak / 2**20, '.1f')} | {note} |")
     return "\n".join(lines)
+
+
+def _capacity(capacity: Any) -> str:
+    """swapopt.bench.capacity's rows as a table when they are records, else as JSON."""
+    if isinstance(capacity, str):
+        return capacity
+    if isinstance(capacity, list) and capacity and all(isinstance(r, dict) for r in capacity):
+        keys = list(capacity[0])
+        lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+        lines += ["| " + " | ".join(_figure(r.get(k)) for k in keys) + " |" for r in capacity]
+        return "\n".join(lines)
+    return "```json\n" + json.dumps(capacity, indent=1) + "\n```"
 
 
 def markdown(report: VerifyReport, chart: str | None = None) -> str:
@@ -150,7 +169,10 @@ def markdown(report: VerifyReport, chart: str | None = None) -> str:
              f"{report.date}, {kind}. Measured: " + (
                  "the simulator itself, with its stock preset (a dry run: these are modeled figures, labelled "
                  "measured only to exercise the same path)" if report.dry_run else "device events on the device")
-             + ". Modeled: the simulator with the preset calibrated in this run."]
+             + (". Modeled: the simulator with the preset calibrated in this run." if report.modeled_calibration
+                else ". Modeled: not run yet; `python -m swapopt.verify --model` on this report's JSON adds it on any "
+                     "CPU machine.")
+             + (" Quick plan: each phase ran under its own time limit (see Phases)." if report.quick else "")]
     parts.append("## Environment\n\n" + "\n".join(f"- {line}" for line in env.lines()))
     if report.device_tests:
         parts.append(f"## Device tests (`-m {report.device_tests.marker}`)\n\n" + _device_tests(report.device_tests))
@@ -182,7 +204,10 @@ def markdown(report: VerifyReport, chart: str | None = None) -> str:
     if fractions:
         host = report.measured.host if report.measured else []
         parts.append("## Host time per step\n\n" + _host_table(fractions, host, report.dry_run))
-    parts.append("## Peers\n\n" + _peers(report))
+    if not report.quick:
+        parts.append("## Peers\n\n" + _peers(report))
+    if report.capacity is not None:
+        parts.append("## Capacity (the largest model that fits)\n\n" + _capacity(report.capacity))
     if report.measured:
         m = report.measured
         modeled = report.dry_run
@@ -192,8 +217,9 @@ def markdown(report: VerifyReport, chart: str | None = None) -> str:
             parts.append("## End to end (measured)\n\n" + e2e_table(m.e2e, modeled=modeled))
         if m.layouts:
             parts.append(layouts_markdown(m.layouts).rstrip().replace("## Layouts", "## Layouts (measured)", 1))
-    parts.append("## Phases\n\n| phase | seconds | status |\n|---|---:|---|\n"
-                 + "\n".join(f"| {p.name} | {p.seconds:.1f} | {p.status} |" for p in report.phases))
+    parts.append("## Phases\n\n| phase | seconds | limit s | status |\n|---|---:|---:|---|\n"
+                 + "\n".join(f"| {p.name} | {p.seconds:.1f} | {_num(p.limit_s, '.0f')} | {p.status} |"
+                              for p in report.phases))
     if report.notes:
         parts.append("## Notes\n\n" + "\n".join(f"- {n}" for n in report.notes))
     return "\n\n".join(parts) + "\n"

@@ -120,7 +120,11 @@ def _no_access_races(mp: pytest.MonkeyPatch) -> None:
 @mutation(
     "sanitizer-free-race",
     "a block freed while another stream may still use it raises StreamRaceError when it may be reused",
-    *corpus("allocator-free_while_side_stream_uses_it"),
+    *corpus(
+        "allocator-free_while_side_stream_uses_it",
+        "allocator-free_while_side_stream_uses_it_then_factory_writes",
+        "allocator-reused_block_handed_to_a_third_stream_before_the_old_use_is_ordered",
+    ),
 )
 def _no_free_races(mp: pytest.MonkeyPatch) -> None:
     from device.sim.device import SimDevice
@@ -142,6 +146,36 @@ def _no_host_read_checks(mp: pytest.MonkeyPatch) -> None:
     from device.sim.device import SimDevice
 
     mp.setattr(SimDevice, "_host_read", lambda self, t, what: None)
+
+
+@mutation(
+    "sanitizer-alias-reads",
+    "pinned memory reached through an alias (numpy()/from_numpy, frombuffer, DLPack, pickling) is judged by address",
+    *corpus(
+        "aliases-torch_save_of_a_from_numpy_alias_before_d2h_finishes",
+        "aliases-tolist_of_a_view_of_a_from_numpy_alias",
+        "aliases-clone_of_a_from_numpy_alias",
+        "aliases-clone_of_unaligned_bytes_of_a_pinned_tensor",
+        "aliases-sum_of_a_dlpack_alias",
+        "aliases-sum_of_a_frombuffer_alias",
+    ),
+    "tests/test_state_dict_aliases.py::test_without_the_wait_the_sanitizer_sees_the_read_through_the_aliases",
+)
+def _no_alias_lookup(mp: pytest.MonkeyPatch) -> None:
+    from device.sim.device import SimDevice
+
+    mp.setattr(SimDevice, "_alias", lambda self, t, storage: (t, storage, None))
+
+
+@mutation(
+    "collective-tensors-held",
+    "a correct multi-process program exits normally: a collective's tensors are held until gloo lets go of them",
+    "tests/test_dist_exit.py::test_collective_tensors_are_held_until_no_cpp_holder_is_left",
+)
+def _collective_tensors_not_held(mp: pytest.MonkeyPatch) -> None:
+    from device.sim.device import SimDevice
+
+    mp.setattr(SimDevice, "_hold_collective", lambda self, args, kwargs, out: None)
 
 
 # ----- swapopt -------------------------------------------------------------------------------------------
@@ -294,6 +328,17 @@ def _state_dict_while_swap_outs_write(mp: pytest.MonkeyPatch) -> None:
             del opt.wait_for_swap_out
 
     mp.setattr(checkpoint, "state_dict", without_waiting)
+
+
+@mutation(
+    "state-dict-follows-the-step",
+    "a state dict taken before a step and read after it holds that step's values (the step waits while one is alive)",
+    "tests/test_state_dict_aliases.py::test_state_dict_taken_before_a_step_and_saved_after_it_holds_that_steps_values",
+    "tests/test_state_dict_aliases.py::test_a_view_of_a_state_dict_tensor_keeps_the_step_waiting",
+)
+def _step_ignores_live_state_dicts(mp: pytest.MonkeyPatch) -> None:
+    checkpoint = importlib.import_module("swapopt.checkpoint")
+    mp.setattr(checkpoint, "after_step", lambda opt: None)
 
 
 @mutation(

@@ -1,0 +1,57 @@
+"""The device's link and host costs the planner models (Note [chunk count from costs] in swapopt.plan).
+
+On the simulator they are its preset's; on a GPU or NPU those of a calibrated preset file when
+``SWAPOPT_LINK_PRESET`` names one (the file ``python -m swapopt.verify`` writes), else the simulator's preset
+for that device type (h100 for CUDA, 910b for NPU), whose figures cite their sources.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+
+import device
+from swapopt.plan import LinkCosts
+
+ENV = "SWAPOPT_LINK_PRESET"
+# Host time of one chunk beyond its launches: the pipeline's Python per chunk (events, stream switches, the
+# update's call), as the layout benchmark's Python time per chunk measures it on the simulator.
+PYTHON_CHUNK_US = 30.0
+LAUNCHES_PER_CHUNK = 4  # its swap-in, its swap-out, the update's step count and its kernel
+_DEFAULT_PRESET = {"cuda": "h100", "npu": "910b"}
+
+
+def _from_preset(preset) -> LinkCosts:
+    return LinkCosts(
+        copy_latency_us=preset.copy_latency_us,
+        h2d_gbps=preset.h2d_gbps,
+        d2h_gbps=preset.d2h_gbps,
+        duplex_gbps=preset.duplex_gbps,
+        host_chunk_us=LAUNCHES_PER_CHUNK * preset.launch_us + PYTHON_CHUNK_US,
+    )
+
+
+@functools.cache
+def _named(name_or_path: str) -> LinkCosts:
+    from device.sim.presets import get_preset
+
+    return _from_preset(get_preset(name_or_path))
+
+
+def link_costs(device_type: str) -> LinkCosts | None:
+    """The costs of the link to ``device_type``'s devices; None on the host alone (nothing is swapped)."""
+    if device.is_simulated():
+        preset = getattr(device.get_torch_device_module(), "preset", None)
+        if preset is not None:
+            return _from_preset(preset)
+    given = os.environ.get(ENV)
+    if given:
+        try:
+            return _named(given)
+        except (OSError, ValueError) as exc:
+            warnings.warn(
+                f"swapopt: {ENV}={given!r} could not be read ({exc}); planning with the default costs", stacklevel=2
+            )
+    name = _DEFAULT_PRESET.get(device_type)
+    return _named(name) if name is not None else None

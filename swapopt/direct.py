@@ -1,0 +1,133 @@
+"""The direct step: a chunk's update as one call of the inner optimizer's functional kernel (Note [direct step]).
+
+swapopt.pipeline steps every chunk with the wrapped optimizer's own ``step``. For torch's Adam family that
+costs, per call, the Python of ``Optimizer.step`` and its wrappers and, per tensor, the Python of
+``_init_group`` (a dict lookup, several appends and checks per param): 5-15 us per tensor on a GPU host,
+paid once per chunk and tensor in every swapped step. Once a chunk's states exist and its state dicts are
+the ones its last step left (``pipeline.ChunkInputs.take_states``), everything ``_init_group`` would
+gather is known: the lists are built once, kept on the chunk's inputs, and each step hands them, with this
+step's grads and the groups' current hyperparameters, to the very functional ``Adam.step`` itself calls.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from itertools import repeat
+from typing import Any, Callable
+
+import torch
+
+from swapopt import internals
+
+# Note [direct step]
+# ~~~~~~~~~~~~~~~~~~
+# ``torch.optim.Adam.step`` (AdamW inherits it) is, per group: ``_init_group`` (collect params with a grad,
+# their grads, ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq`` with amsgrad, and ``step``; create the states
+# on a param's first step; raise on a sparse grad, on ``differentiable`` with a step that requires grad, and
+# on a tensor lr with foreach and not capturable), then ``torch.optim.adam.adam(...)`` with the group's
+# hyperparameters and the optimizer's ``grad_scale``/``found_inf``. A direct step makes that same functional
+# call with the same tensors in the same order, so it is bitwise the inner step by construction: the same
+# kernels (fused, foreach or for-loop, chosen by the functional from the same flags) over the same lists.
+# It is taken only where ``_init_group`` would have nothing else to do or say:
+#   * the inner step is torch's own (``Adam.step`` and ``Adam._init_group``, not a subclass's override, not a
+#     wrapped step such as fault injection), the step has no keyword arguments;
+#   * every param of the chunk is whole and has its state dict, with the keys the group's flags ask for
+#     (the chunk is ``simple`` and its dicts are kept, pipeline.ChunkInputs), so no state is created;
+#   * no group is ``differentiable``, no foreach group has a tensor lr without capturable (torch raises
+#     there: the inner step raises it), no param is complex and every grad is present.
+# Anything else steps through the inner optimizer as before. Optimizers outside the Adam family have no
+# direct step.
+
+
+def _raw(fn: Callable[..., Any]) -> Callable[..., Any]:
+    return getattr(fn, "__wrapped__", fn) if getattr(fn, "hooked", False) else fn
+
+
+_ADAM_STEP = _raw(torch.optim.Adam.step)
+_GRAD = operator.attrgetter("grad")
+_FLAGS = ("amsgrad", "foreach", "fused", "capturable", "differentiable", "decoupled_weight_decay")
+
+
+# The keywords run() passes: torch versions whose functional lacks one (before AdamW became an Adam with
+# decoupled_weight_decay) take the inner step instead.
+_CALL_KEYWORDS = frozenset({
+    "amsgrad", "has_complex", "beta1", "beta2", "lr", "weight_decay", "eps", "maximize", "foreach", "capturable",
+    "differentiable", "fused", "grad_scale", "found_inf", "decoupled_weight_decay",
+})
+_FUNCTIONAL_FITS = _CALL_KEYWORDS <= internals.adam_functional_keywords()
+
+
+def supported(optimizer: torch.optim.Optimizer, step_fn: Callable[..., Any]) -> bool:
+    """The inner step is torch's own Adam step, on a torch whose functional takes run()'s keywords
+    (Note [direct step])."""
+    return (_FUNCTIONAL_FITS and step_fn is _ADAM_STEP
+            and internals.adam_init_group(type(optimizer)) is internals.ADAM_INIT_GROUP)
+
+
+@dataclass(eq=False)
+class _Group:
+    params: list[torch.Tensor]
+    exp_avgs: list[torch.Tensor]
+    exp_avg_sqs: list[torch.Tensor]
+    max_exp_avg_sqs: list[torch.Tensor]
+    steps: list[torch.Tensor]
+    flags: tuple  # the group flags the lists were gathered for
+
+
+@dataclass(eq=False)
+class DirectStep:
+    """One chunk's lists, per group copy, as ``Adam._init_group`` would gather them (Note [direct step])."""
+
+    groups: list[_Group]
+
+    @classmethod
+    def build(cls, members: list[list[torch.Tensor]], groups: list[dict], chunk_state: dict) -> DirectStep | None:
+        """The lists of a chunk whose params are ``members`` (per group copy in ``groups``) with their state
+        dicts in ``chunk_state``; None where a direct step cannot stand for the inner one."""
+        out = []
+        for ps, group in zip(members, groups):
+            flags = tuple(group.get(k) for k in _FLAGS)
+            if group.get("differentiable"):
+                return None
+            g = _Group(list(ps), [], [], [], [], flags)
+            for p in ps:
+                st = chunk_state.get(p)
+                if st is None or "step" not in st or "exp_avg" not in st or "exp_avg_sq" not in st:
+                    return None
+                g.exp_avgs.append(st["exp_avg"])
+                g.exp_avg_sqs.append(st["exp_avg_sq"])
+                if group["amsgrad"]:
+                    if "max_exp_avg_sq" not in st:
+                        return None
+                    g.max_exp_avg_sqs.append(st["max_exp_avg_sq"])
+                g.steps.append(st["step"])
+            out.append(g)
+        return cls(out)
+
+    def run(self, optimizer: torch.optim.Optimizer, groups: list[dict]) -> bool:
+        """Step the chunk with the groups' current values; False (nothing done) where the inner step must run
+        instead: a flag changed since the lists were gathered, a grad is missing, or torch would raise."""
+        for g, group in zip(self.groups, groups):
+            if tuple(group.get(k) for k in _FLAGS) != g.flags:
+                return False
+            if group["foreach"] and torch.is_tensor(group["lr"]) and not group["capturable"]:
+                return False
+        if any(any(map(torch.is_complex, g.params)) for g in self.groups):
+            return False
+        grads = [list(map(_GRAD, g.params)) for g in self.groups]
+        if any(any(map(operator.is_, gs, repeat(None))) for gs in grads):
+            return False
+        grad_scale = getattr(optimizer, "grad_scale", None)
+        found_inf = getattr(optimizer, "found_inf", None)
+        for g, gs, group in zip(self.groups, grads, groups):
+            beta1, beta2 = group["betas"]
+            internals.adam_functional(
+                g.params, gs, g.exp_avgs, g.exp_avg_sqs, g.max_exp_avg_sqs, g.steps,
+                amsgrad=group["amsgrad"], has_complex=False, beta1=beta1, beta2=beta2, lr=group["lr"],
+                weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
+                foreach=group["foreach"], capturable=group["capturable"], differentiable=False,
+                fused=group["fused"], grad_scale=grad_scale, found_inf=found_inf,
+                decoupled_weight_decay=group["decoupled_weight_decay"],
+            )  # fmt: skip
+        return True

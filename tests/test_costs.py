@@ -1,0 +1,39 @@
+"""The link costs the planner models (swapopt.costs, Note [chunk count from costs] in swapopt.plan)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+import device
+import simdevice as simulator
+from device.sim.preset_file import save_preset
+from device.sim.presets import PRESETS
+from swapopt import costs
+
+
+def test_costs_come_from_the_simulators_preset():
+    with simulator.activate("910b"):
+        got = costs.link_costs(device.get_device())
+    p = PRESETS["910b"]
+    assert (got.copy_latency_us, got.h2d_gbps, got.d2h_gbps, got.duplex_gbps) == (
+        p.copy_latency_us, p.h2d_gbps, p.d2h_gbps, p.duplex_gbps,
+    )
+    assert got.host_chunk_us == costs.LAUNCHES_PER_CHUNK * p.launch_us + costs.PYTHON_CHUNK_US
+
+
+def test_costs_on_a_device_from_a_calibrated_file_else_the_defaults(tmp_path, monkeypatch):
+    monkeypatch.setattr(device, "is_simulated", lambda: False)
+    monkeypatch.delenv(costs.ENV, raising=False)
+    assert costs.link_costs("cuda").copy_latency_us == PRESETS["h100"].copy_latency_us
+    assert costs.link_costs("npu").h2d_gbps == PRESETS["910b"].h2d_gbps
+    assert costs.link_costs("cpu") is None
+    calibrated = dataclasses.replace(PRESETS["h100"], name="measured", copy_latency_us=21.0, h2d_gbps=44.0)
+    path = save_preset(calibrated, tmp_path / "preset.json")
+    monkeypatch.setenv(costs.ENV, str(path))
+    got = costs.link_costs("cuda")
+    assert (got.copy_latency_us, got.h2d_gbps) == (21.0, 44.0)
+    monkeypatch.setenv(costs.ENV, str(tmp_path / "missing.json"))
+    with pytest.warns(UserWarning, match=costs.ENV):
+        assert costs.link_costs("cuda").copy_latency_us == PRESETS["h100"].copy_latency_us

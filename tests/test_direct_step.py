@@ -1,0 +1,116 @@
+"""The direct step (Note [direct step] in swapopt.direct): a chunk of the Adam family is stepped by one call of
+torch's functional over lists kept per plan, bitwise the inner step; other optimizers, subclasses that
+override how states are gathered, and steps that torch would refuse keep the inner step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import device
+import simdevice as simulator
+from swapopt import SwapOptimizer, direct
+
+STEPS = 4
+SIZES = ((1500,), (7, 33), (64, 16), (5,), (300,))
+
+
+def _run(make, *, steps=STEPS, grad_scale=None, **swap_kw):
+    """Step a SwapOptimizer and the same optimizer unwrapped on identical params and grads; count the chunks
+    the direct step took."""
+    torch.manual_seed(0)
+    taken = []
+    real_run = direct.DirectStep.run
+
+    def counting_run(self, optimizer, groups):
+        ok = real_run(self, optimizer, groups)
+        taken.append(ok)
+        return ok
+
+    direct.DirectStep.run = counting_run
+    try:
+        with simulator.activate():
+            dev = device.torch_device()
+            ps = [torch.nn.Parameter(torch.randn(s, device=dev)) for s in SIZES]
+            rs = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+            opt = SwapOptimizer(make(ps), **swap_kw)
+            ref = make(rs)
+            for _ in range(steps):
+                for p, r in zip(ps, rs):
+                    g = torch.randn(p.shape, device=dev)
+                    p.grad, r.grad = g.clone(), g.clone()
+                if grad_scale is not None:  # as GradScaler lends them to a fused optimizer
+                    for o in (opt, ref):
+                        o.grad_scale = torch.tensor(grad_scale, device=dev)
+                        o.found_inf = torch.zeros((), device=dev)
+                opt.step()
+                ref.step()
+            opt.wait_for_swap_out()
+            for p, r in zip(ps, rs):
+                assert torch.equal(p.detach().cpu(), r.detach().cpu())
+            for p, r in zip(ps, rs):
+                st, rt = opt.state[p], ref.state[r]
+                assert set(st) == set(rt)
+                for key in rt:
+                    assert torch.equal(torch.as_tensor(st[key]).cpu(), torch.as_tensor(rt[key]).cpu()), key
+    finally:
+        direct.DirectStep.run = real_run
+    return taken
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, fused=True),
+        lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, foreach=True),
+        lambda ps: torch.optim.Adam(ps, lr=1e-2, foreach=False, amsgrad=True, maximize=True),
+        lambda ps: torch.optim.Adam(ps, lr=torch.tensor(1e-2), fused=True, weight_decay=0.05),
+        lambda ps: torch.optim.Adam([{"params": ps[:2]}, {"params": ps[2:], "lr": 3e-3, "betas": (0.8, 0.9)}]),
+    ],
+    ids=["adamw-fused", "adamw-foreach", "adam-forloop-amsgrad-maximize", "adam-fused-tensor-lr", "adam-groups"],
+)
+@pytest.mark.parametrize("times", [1, 3])
+def test_direct_step_is_bitwise_and_taken(make, times):
+    taken = _run(make, swap_optimizer_times=times)
+    assert taken and all(taken)  # every chunk after the first step went the direct way
+
+
+def test_direct_step_passes_grad_scaler_attributes():
+    taken = _run(lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True), grad_scale=4.0, swap_optimizer_times=2)
+    assert taken and all(taken)
+
+
+def test_non_elementwise_optimizer_keeps_the_inner_step():
+    """Adafactor's states are not param-shaped (row and column factors): no direct step, still bitwise."""
+    assert not direct.supported(torch.optim.Adafactor([torch.nn.Parameter(torch.zeros(2, 2))]),
+                                torch.optim.Adafactor.step)
+    taken = _run(lambda ps: torch.optim.Adafactor(ps, lr=1e-2), swap_optimizer_times=2)
+    assert taken == []
+
+
+def test_subclass_with_its_own_init_group_keeps_the_inner_step():
+    class Clipped(torch.optim.AdamW):
+        def _init_group(self, group, params, grads, *rest):
+            has_complex = super()._init_group(group, params, grads, *rest)
+            for g in grads:
+                g.clamp_(-0.5, 0.5)
+            return has_complex
+
+    taken = _run(lambda ps: Clipped(ps, lr=1e-2), swap_optimizer_times=2, per_param=True)
+    assert taken == []
+
+
+def test_foreach_with_tensor_lr_raises_as_torch_does():
+    """torch refuses a tensor lr with foreach and not capturable: the direct step leaves that to the inner step."""
+    with simulator.activate():
+        dev = device.torch_device()
+        p = torch.nn.Parameter(torch.randn(8, device=dev))
+        inner = torch.optim.Adam([p], lr=1e-2, foreach=True)
+        opt = SwapOptimizer(inner)
+        for _ in range(2):
+            p.grad = torch.ones_like(p)
+            opt.step()
+        opt.param_groups[0]["lr"] = torch.tensor(1e-2)
+        p.grad = torch.ones_like(p)
+        with pytest.raises(RuntimeError, match="lr as a Tensor is not supported"):
+            opt.step()

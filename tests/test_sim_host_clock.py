@@ -1,0 +1,95 @@
+"""The simulator charges the host (Note [host clock] in device/sim/timeline.py): a device op starts no earlier than
+the host has issued it, and issuing costs launch_us plus host_tensor_us per tensor beyond an op's first two, so
+a step of many small tensors goes host-bound as the H100 did (resident fused AdamW on moe's 3,299 tensors: 16.5
+ms of host for a 15.4 ms step). Deterministic by default; SWAPOPT_SIM_HOST_CLOCK=measured adds the program's
+own Python time."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import pytest
+import torch
+
+import simdevice as simulator
+from device.sim.timeline import HOST_CLOCK_ENV, Timeline
+
+H100 = simulator.PRESETS["h100"]
+
+
+def test_an_op_costs_the_host_launch_plus_its_tensors(sim):
+    xs = [torch.zeros(4) for _ in range(10)]
+    sim.synchronize()
+    start = sim.now_us()
+    torch._foreach_add_(xs, 1.0)  # one launch over ten tensors
+    assert sim.now_us() - start == pytest.approx(H100.launch_us + 8 * H100.host_tensor_us)
+    (op,) = [op for op in sim.timeline if op.name.startswith("aten._foreach_add_")][-1:]
+    assert op.start_us >= sim.now_us()  # it starts once issued, not before
+    start = sim.now_us()
+    xs[0].add_(1)  # one or two tensors: the launch alone, as calibrated on a tiny kernel
+    assert sim.now_us() - start == pytest.approx(H100.launch_us)
+
+
+def _resident_step_ms(preset, params: int) -> tuple[float, float]:
+    """(modeled step ms, host ms to issue it) of a resident fused AdamW step over `params` small params."""
+    with simulator.activate(preset, sanitize=False) as dev:
+        ps = [torch.nn.Parameter(torch.zeros(64)) for _ in range(params)]
+        for p in ps:
+            p.grad = torch.ones_like(p)
+        opt = torch.optim.AdamW(ps, lr=1e-3, fused=True)
+        opt.step()
+        dev.synchronize()
+        start, end = dev.Event(enable_timing=True), dev.Event(enable_timing=True)
+        host = dev.now_us()
+        start.record()
+        opt.step()
+        host = dev.now_us() - host
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end), host / 1e3
+
+
+def test_a_step_of_many_small_tensors_is_host_bound(clean_device_env):
+    n = 300
+    step_ms, host_ms = _resident_step_ms(H100, n)
+    # Its two ops take 6 tensors per param: the host issues them for longer than the device runs them.
+    issue_ms = (2 * H100.launch_us + (6 * n - 4) * H100.host_tensor_us) / 1e3
+    assert host_ms == pytest.approx(issue_ms, rel=1e-6)
+    kernels_ms = n * 64 * 32 / (H100.hbm_gbps * 1e6)  # what the device does: 32 B per param at HBM speed
+    assert step_ms >= issue_ms > 10 * kernels_ms
+    # Without the per-tensor charge the same step is the device's alone: two launches and the kernels.
+    free_ms, _ = _resident_step_ms(dataclasses.replace(H100, host_tensor_us=0.0), n)
+    assert free_ms < 0.05 * step_ms
+    # Deterministic: the same program gives the same modeled time.
+    assert _resident_step_ms(H100, n)[0] == step_ms
+
+
+def _busy(seconds: float) -> None:
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+@pytest.mark.parametrize("clock", ["ops", "measured"])
+def test_measured_clock_adds_the_programs_own_python(clean_device_env, clock):
+    clean_device_env.setenv(HOST_CLOCK_ENV, clock)
+    with simulator.activate("h100", sanitize=False) as sim:
+        x = torch.zeros(4)
+        x.add_(1)
+        start = sim.now_us()
+        _busy(0.02)  # 20 ms of the program's own CPU time between two ops
+        x.add_(1)
+        spent = sim.now_us() - start
+    if clock == "ops":
+        assert spent == pytest.approx(H100.launch_us)
+    else:
+        assert spent >= 20_000 + H100.launch_us
+
+
+def test_unknown_host_clock_is_refused(monkeypatch):
+    monkeypatch.setenv(HOST_CLOCK_ENV, "wall")
+    with pytest.raises(ValueError, match=HOST_CLOCK_ENV):
+        Timeline(H100)
+    with pytest.raises(ValueError, match="host_clock"):
+        Timeline(H100, host_clock="wall")
