@@ -8,6 +8,7 @@ breaks here, with the reason next to it, instead of somewhere in the pipeline.
 
 from __future__ import annotations
 
+import inspect
 import sys
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
@@ -243,14 +244,15 @@ def adam_functional(*args: Any, **kwargs: Any) -> None:
 
 def adam_functional_keywords() -> frozenset[str]:
     """The keyword parameters of torch.optim.adam.adam in this torch (they changed across 2.6-2.13)."""
-    import inspect
-
     return frozenset(inspect.signature(sys.modules["torch.optim.adam"].adam).parameters)
 
 
 def adam_init_group(cls: type) -> Any:
-    """The _init_group a class of the Adam family runs (Note [direct step])."""
-    return getattr(cls, "_init_group", None)
+    """The _init_group a class of the Adam family runs, without wrappers (Note [direct step]): importing
+    torch._dynamo wraps every torch optimizer's _init_group in a dynamo-disable wrapper (keeping the function
+    as ``__wrapped__``), which changes nothing that it does."""
+    fn = getattr(cls, "_init_group", None)
+    return None if fn is None else inspect.unwrap(fn)
 
 
-ADAM_INIT_GROUP = torch.optim.Adam._init_group
+ADAM_INIT_GROUP = inspect.unwrap(torch.optim.Adam._init_group)

@@ -114,3 +114,19 @@ def test_foreach_with_tensor_lr_raises_as_torch_does():
         p.grad = torch.ones_like(p)
         with pytest.raises(RuntimeError, match="lr as a Tensor is not supported"):
             opt.step()
+
+
+def test_direct_step_survives_a_wrapped_init_group(monkeypatch):
+    # Importing torch._dynamo wraps every torch optimizer's _init_group (a dynamo-disable wrapper that keeps
+    # the function as __wrapped__): the direct step must still be taken, as it was before the wrapping.
+    import functools
+
+    original = torch.optim.Adam._init_group
+
+    @functools.wraps(original)
+    def wrapped(*args, **kwargs):
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.Adam, "_init_group", wrapped)
+    taken = _run(lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=True), swap_optimizer_times=2)
+    assert taken and all(taken)
