@@ -227,6 +227,20 @@ def _plain(value: Any) -> Any:
     return value if isinstance(value, (str, int, float, bool, type(None))) else str(value)
 
 
+def _start_report(options: VerifyOptions, plan: Any, now: Any, quick: bool) -> tuple[str, str, VerifyReport, str, str]:
+    """The device's label and kind, an empty report with its environment (printed), the files' stem in
+    ``options.out`` and the pytest marker of the device tests."""
+    label = device_label()
+    kind = "sim" if device.is_simulated() else device.get_device()
+    report = VerifyReport(dry_run=options.dry_run, quick=quick, date=f"{now:%Y-%m-%d %H:%M} UTC", label=label,
+                          environment=collect(label), plan=plan)
+    for line in report.environment.lines():
+        print(line)
+    options.out.mkdir(parents=True, exist_ok=True)
+    stem = unique_stem(options.out, f"{label}-{now:%Y-%m-%d}-verify" + ("-quick" if quick else ""))
+    return label, kind, report, stem, "npu" if report.environment.kind == "npu" else "cuda"
+
+
 def _quick(options: VerifyOptions) -> tuple[VerifyReport, list[Path], bool]:
     """The quick plan (module docstring)."""
     plan: VerifyPlan = QUICK_DRY_PLAN if options.dry_run else QUICK_DEVICE_PLAN
@@ -256,15 +270,7 @@ def _quick(options: VerifyOptions) -> tuple[VerifyReport, list[Path], bool]:
             body(advance)
 
     with progress, _measured_side(options):
-        label = device_label()
-        kind = "sim" if device.is_simulated() else device.get_device()
-        report = VerifyReport(dry_run=options.dry_run, quick=True, date=f"{now:%Y-%m-%d %H:%M} UTC", label=label,
-                              environment=collect(label), plan=plan)
-        for line in report.environment.lines():
-            print(line)
-        options.out.mkdir(parents=True, exist_ok=True)
-        stem = unique_stem(options.out, f"{label}-{now:%Y-%m-%d}-verify-quick")
-        marker = "npu" if report.environment.kind == "npu" else "cuda"
+        label, kind, report, stem, marker = _start_report(options, plan, now, quick=True)
 
         if options.device_tests:
             def device_tests(advance: Callable[[], None]) -> None:
@@ -329,16 +335,7 @@ def verify(options: VerifyOptions) -> tuple[VerifyReport, list[Path], bool]:
     phases = _Phases(progress)
     notes: list[str] = []
     with progress, _measured_side(options):
-        label = device_label()
-        kind = "sim" if device.is_simulated() else device.get_device()
-        report = VerifyReport(dry_run=options.dry_run, date=f"{now:%Y-%m-%d %H:%M} UTC", label=label,
-                              environment=collect(label), plan=plan)
-        for line in report.environment.lines():
-            print(line)
-        options.out.mkdir(parents=True, exist_ok=True)
-        stem = unique_stem(options.out, f"{label}-{now:%Y-%m-%d}-verify")
-
-        marker = "npu" if report.environment.kind == "npu" else "cuda"
+        label, kind, report, stem, marker = _start_report(options, plan, now, quick=False)
         if options.device_tests:
             with phases.phase(f"device tests (-m {marker})"):
                 report.device_tests = run_device_tests(marker, collect_only=options.dry_run,
