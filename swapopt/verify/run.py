@@ -90,7 +90,9 @@ def _time_limit(seconds: float | None) -> Iterator[None]:
 
     def stop(signum: int, frame: Any) -> None:
         if _sim_holds_signals():
-            signal.setitimer(signal.ITIMER_REAL, 0.05)  # try again once the simulator's region has returned
+            # Try again soon: the simulator's held regions (a backward pass) can take most of a phase's time,
+            # and a retry that lands in one more region would let the phase run on.
+            signal.setitimer(signal.ITIMER_REAL, 0.002)
             return
         raise PhaseStopped
 
