@@ -117,23 +117,6 @@ class Arenas:
         flat = base[offset : offset + nbytes].view(dtype)
         return hoststate.wrap_like(ref, flat.as_strided(tuple(loc.shape), hoststate.layout_strides(loc)))
 
-    def own_bytes(self, value: Any) -> Any:
-        """``value`` itself, or for a state in an arena the same memory seen through a storage of the
-        state's own bytes, so that torch.save, DCP and async staging copy or write only those bytes and
-        not the whole arena once per state."""
-        if not isinstance(value, torch.Tensor):
-            return value
-        loc = hoststate.local(value)
-        where = self.locate(loc)
-        if where is None or loc.numel() == 0:
-            return value
-        base, offset = where
-        # numpy slicing yields a buffer of exactly these bytes sharing the arena's memory (the array keeps
-        # the arena alive); torch.from_numpy turns it into a storage of that size. No copy is made.
-        raw = torch.from_numpy(base.numpy()[offset : offset + loc.numel() * loc.element_size()])
-        own = raw.view(loc.dtype).as_strided(tuple(loc.shape), tuple(loc.stride()))
-        return hoststate.wrap_like(value, own) if hoststate.is_dtensor(value) else own
-
     def nbytes(self) -> int:
         """Bytes the arenas asked the pinned host allocator for."""
         return sum(b.nbytes for b in self._bases.values())

@@ -40,11 +40,7 @@ from swapopt import internals
 # direct step.
 
 
-def _raw(fn: Callable[..., Any]) -> Callable[..., Any]:
-    return getattr(fn, "__wrapped__", fn) if getattr(fn, "hooked", False) else fn
-
-
-_ADAM_STEP = _raw(torch.optim.Adam.step)
+_ADAM_STEP = internals.unhooked(torch.optim.Adam.step)
 _GRAD = operator.attrgetter("grad")
 _FLAGS = ("amsgrad", "foreach", "fused", "capturable", "differentiable", "decoupled_weight_decay")
 

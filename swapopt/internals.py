@@ -31,10 +31,14 @@ def profiler_recording() -> bool:
 # ``hooked``, the original kept as ``__wrapped__``). SwapOptimizer calls the inner step once per chunk
 # and once per probe; through the wrapper every call would fire the global step hooks and the inner's
 # own hooks once per chunk instead of once per step.
+def unhooked(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A step function without Optimizer's hook/profiler wrapper (Note [raw step])."""
+    return getattr(fn, "__wrapped__", fn) if getattr(fn, "hooked", False) else fn
+
+
 def raw_step(optimizer: torch.optim.Optimizer) -> Callable[..., Any]:
     """The class's step without Optimizer's hook/profiler wrapper (Note [raw step])."""
-    fn = type(optimizer).step
-    return getattr(fn, "__wrapped__", fn) if getattr(fn, "hooked", False) else fn
+    return unhooked(type(optimizer).step)
 
 
 # Note [hook replay]: since the inner step runs raw (Note [raw step]), the hooks a user registered on
