@@ -19,6 +19,7 @@ import torch
 from loguru import logger
 
 from device import sim
+from device.sim.host_memory import npu_pinned_bytes
 from device.sim.tensor import SimTensor
 
 # A library stays quiet unless the application asks (the swapopt CLIs call logger.enable).
@@ -128,8 +129,8 @@ def is_simulated() -> bool:
 
 
 def get_device() -> str:
-    """"npu" | "cuda" | "cpu", or for the simulator the device type it presents ("cuda"/"npu" when typed,
-    Note [simulated device type]; "sim" for the untyped simulator). is_simulated() tells it apart."""
+    """"npu" | "cuda" | "cpu", or for the simulator the device type it presents ("cuda"/"npu", Note [simulated
+    device type]). is_simulated() tells it apart."""
     requested = _requested()
     if requested == "npu":
         if not _npu_available():
@@ -146,7 +147,7 @@ def get_device() -> str:
         return "cpu"
     simulated = _simulator()
     if simulated is not None:
-        return simulated.flavour if simulated.typed else "sim"
+        return simulated.flavour
     if _npu_available():
         return "npu"
     if torch.cuda.is_available():
@@ -164,7 +165,7 @@ def get_torch_device_module(device: str | None = None) -> Any:
     if device == "sim":
         return sim.process_device()
     simulated = sim.active()
-    if simulated is not None and simulated.typed and device == simulated.flavour:
+    if simulated is not None and device == simulated.flavour:
         return simulated
     if device == "npu":
         return torch.npu
@@ -177,7 +178,7 @@ def get_torch_device_module(device: str | None = None) -> Any:
 
 def torch_device(device: str | None = None) -> torch.device:
     """Where accelerator tensors live, on the current device: cuda:N / npu:N, the simulator's device
-    (sim:N / npu:N typed, cpu untyped), cpu for plain CPU."""
+    (sim:N / npu:N), cpu for plain CPU."""
     simulated = _simulator() if device in (None, "sim") else None
     if simulated is not None:
         return simulated.torch_device()
@@ -374,21 +375,6 @@ def host_held_bytes(nbytes: int, pinned: bool = False, exact: bool = False) -> i
     return -(-int(nbytes) // _PAGE) * _PAGE
 
 
-def npu_pinned_bytes(nbytes: int, conf: str | None = None) -> int:
-    """Host bytes torch_npu's pinned host allocator takes for a request of ``nbytes``. By default it rounds up
-    to a power of two (v2.6.0 csrc/core/npu/CachingHostAllocator.cpp:138 ``PowerOf2Ceil``; v2.7.1 keeps
-    upstream's CachingHostAllocatorImpl, which rounds the same way), so a pinned buffer just over a power of
-    two takes almost twice its size. ``PYTORCH_NPU_ALLOC_CONF=pin_memory_expandable_segments:True``
-    (``conf``; the environment when None) selects the expandable host allocator, which rounds
-    ``nbytes + 32`` up to 512 bytes instead (v2.7.1 CachingHostAllocator.cpp:947-955)."""
-    if nbytes <= 0:
-        return 0
-    conf = os.environ.get("PYTORCH_NPU_ALLOC_CONF", "") if conf is None else conf
-    if "pin_memory_expandable_segments:true" in conf.replace(" ", "").lower():
-        return max(512, -(-(nbytes + 32) // 512) * 512)
-    return 1 << (nbytes - 1).bit_length()
-
-
 def pinned_bytes(nbytes: int) -> int:
     """Host memory a pinned allocation of ``nbytes`` (pinned_empty, pin_memory=True) takes on this device:
     npu_pinned_bytes on NPU, the next power of two on CUDA (torch's CachingHostAllocator; the simulator's
@@ -417,7 +403,7 @@ def is_host_tensor(t: torch.Tensor) -> bool:
     t = _local(t)
     simulated = _simulator()
     if simulated is not None:
-        return t.device.type == "cpu" if simulated.typed else simulated.is_host(t)
+        return t.device.type == "cpu"
     return t.device.type == "cpu" or get_device() == "cpu"
 
 

@@ -14,7 +14,7 @@ Public API:
 from loguru import logger
 
 from swapopt.classes import SwapAdam, SwapAdamW, swap_class
-from swapopt.config import SwapConfig
+from swapopt.switch import SwapConfig
 from swapopt.hostmem import HostMemoryError
 from swapopt.offload import offload, offloaded, onload, put_optimizer_to_device
 from swapopt.operate import SwapOptimizerOperate

@@ -58,10 +58,12 @@ def state_dict(opt) -> dict[str, Any]:
     handed = _handed_out(opt) if swapped else []
     params = dict(_indexed_params(opt))
     if swapped or masters.ready:  # new dicts: the inner's state_dict shares the per-param ones
+        # Entries that are not a param's state dict (a hook's `opt.state["key"] = value`) pass as torch passes them.
         sd["state"] = {
             i: {k: _alias(v, handed) if swapped and _swapped(params.get(i), k, v) else v for k, v in st.items()}
+            if isinstance(st, dict) else st
             for i, st in sd["state"].items()
-        }
+        }  # fmt: skip
     if masters.ready:
         # Note [master weights]: each master that holds a value goes with its param's state, in host memory.
         for i, p in params.items():

@@ -1,5 +1,5 @@
-"""The swap knobs, declared once: ``SwapSettings`` (one SwapOptimizer's settings) and ``SwapConfig`` (the
-same knobs plus the on/off switch, for engine configs).
+"""The swap knobs, declared once: ``SwapSettings`` (one SwapOptimizer's settings). ``SwapConfig``, the same
+knobs plus the on/off switch for engine configs, is built on it in swapopt.switch.
 
 Every other place that lists the knobs reads them from here: SwapOptimizer's keyword arguments, the class
 forms' signatures (swapopt.classes), copies (swapopt.copying), the XTuner, Hugging Face and engine configs.
@@ -8,11 +8,15 @@ Adding a knob is adding a field below.
 
 from __future__ import annotations
 
-import warnings
-from typing import Any, Optional
+from typing import Annotated, Any, Optional
 
-import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PlainValidator, field_validator
+
+from swapopt.resident_auto import parse_resident_mb
+
+# A number of MiB, "auto" or "auto:F" (swapopt.resident_auto). A plain validator, so that a config copying this
+# field (the XTuner integration's, annotated float) validates it the same way.
+ResidentMB = Annotated[float | str, PlainValidator(parse_resident_mb)]
 
 
 class SwapSettings(BaseModel):
@@ -31,8 +35,11 @@ class SwapSettings(BaseModel):
     slots: int = Field(default=3, ge=1)
     """Staging buffers on the device (3: one filling, one computing, one draining)."""
 
-    resident_mb: float = Field(default=0.0, ge=0, allow_inf_nan=False)
-    """States that fit this budget (MiB) stay on the device and are stepped first."""
+    resident_mb: ResidentMB = 0.0
+    """States that fit this budget (MiB) stay on the device and are stepped first. ``"auto"``: the budget is
+    measured at each step, what the device has spare at the forward/backward peak less a margin, and
+    re-planned when that changes by more than 10%; ``"auto:F"`` keeps the share F (0 < F <= 0.9) of the spare
+    memory instead of 0.9 (Note [resident auto] in swapopt.resident_auto). Not with ``master_weights``."""
 
     per_param: bool = False
     """Vouch that an optimizer from outside torch.optim keeps per-param state and reads no other param in
@@ -83,36 +90,3 @@ def settings_from(knobs: dict[str, Any]) -> SwapSettings:
     except ValueError as err:  # pydantic's ValidationError: one line per bad knob
         lines = [f"{'.'.join(map(str, e['loc']))}: {e['msg'].removeprefix('Value error, ')}" for e in err.errors()]
         raise ValueError("; ".join(lines)) from None
-
-
-class SwapConfig(SwapSettings):
-    """Optimizer-state swapping for engine configs: ``swap_optimizer`` switches it on, the other fields are
-    SwapSettings' knobs. ``overlap_forward``, ``prefetch`` and ``master_weights`` need
-    ``swap_optimizer=True``; without it wrap() warns that they are ignored."""
-
-    model_config = ConfigDict(extra="forbid", frozen=False, validate_assignment=True, use_attribute_docstrings=True)
-
-    swap_optimizer: bool = False
-    """Keep the optimizer's states in pinned host memory and stream them through the device in step()."""
-
-    def settings(self) -> SwapSettings:
-        """The knobs of the SwapOptimizer this config builds."""
-        return SwapSettings(**self.model_dump(include=set(KNOBS)))
-
-    def wrap(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        """Return ``optimizer`` wrapped in a SwapOptimizer, or unchanged when swapping is off."""
-        if not self.swap_optimizer:
-            ignored = [k for k in ("overlap_forward", "prefetch", "master_weights") if getattr(self, k)]
-            if ignored:
-                # A warning, not an error: configs switch swap_optimizer off alone to get the resident baseline.
-                warnings.warn(
-                    f"swapopt: {' and '.join(f'{k}=True' for k in ignored)} has no effect with swap_optimizer=False; "
-                    f"the optimizer is returned unwrapped",
-                    stacklevel=2,
-                )
-            return optimizer
-        from swapopt.optimizer import SwapOptimizer
-
-        if isinstance(optimizer, SwapOptimizer):
-            return optimizer
-        return SwapOptimizer(optimizer, **self.settings().model_dump())

@@ -10,21 +10,21 @@ are copied or shared exactly as for a plain torch optimizer.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 import device
 from swapopt.config import KNOBS
-from swapopt.hoststate import is_swapped_state, local, pinned_empty_like
+from swapopt.eviction import offloaded_scalars, remember_offloaded
+from swapopt.hoststate import is_swapped_state, local, pinned_copy
 from swapopt.masters import MASTER
 
 
 def getstate(opt: Any) -> dict[str, Any]:
     """What a copy needs: the inner optimizer, the settings and the step counters. In-flight swap-outs are
     waited for first, so the copy reads each state after the last step's write."""
-    from swapopt.offload import offloaded_scalars  # offload imports the optimizer, which imports this module
-
     opt.wait_for_swap_out()
     return {
         "optimizer": opt.optimizer,
@@ -37,19 +37,16 @@ def getstate(opt: Any) -> dict[str, Any]:
     }
 
 
-def setstate(opt: Any, state: dict[str, Any]) -> None:
-    """Rebuild ``opt`` (created without __init__ by pickle or deepcopy) around the copied inner optimizer."""
-    # Imported here: the optimizer module imports this one, and offload imports the optimizer.
-    from swapopt.offload import remember_offloaded
-    from swapopt.optimizer import SwapOptimizer
-
+def setstate(opt: Any, state: dict[str, Any], init: Callable[..., None]) -> None:
+    """Rebuild ``opt`` (created without __init__ by pickle or deepcopy) around the copied inner optimizer;
+    ``init`` is SwapOptimizer's own __init__, not type(opt)'s: class forms built from params take other
+    arguments."""
     inner = state["optimizer"]
     _pin_states(inner)
-    # SwapOptimizer's own __init__, not type(opt)'s: class forms built from params take other arguments.
     knobs = state.get("settings")
     if knobs is None:  # a copy made before the knobs were kept as one settings object
         knobs = {k: state[k] for k in KNOBS if k in state}
-    SwapOptimizer.__init__(opt, inner, **knobs)
+    init(opt, inner, **knobs)
     masters = opt._ctx.masters
     for p, master, ready in state.get("masters", ()):
         masters.set(p, master if device.get_device() == "cpu" else pinned_copy(master))
@@ -64,14 +61,6 @@ def _masters_of(opt: Any) -> list[tuple[torch.Tensor, torch.Tensor, bool]]:
     optimizer's, so a copy pairs its copied params with copied masters."""
     masters = opt._ctx.masters
     return [(p, holder[MASTER], p in masters.ready) for p, holder in masters.host.items()]
-
-
-def pinned_copy(value: torch.Tensor) -> torch.Tensor:
-    """A pinned host copy of ``value`` with its dense layout (a DTensor over the host shard for DTensors)."""
-    # src's own strides when dense (channels_last stays channels_last), else contiguous.
-    dst = pinned_empty_like(value)
-    local(dst).copy_(local(value))
-    return dst
 
 
 def _pin_states(inner: torch.optim.Optimizer) -> None:

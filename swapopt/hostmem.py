@@ -57,7 +57,8 @@ def describe(needed: int, available: int, total: int, masters: int = 0) -> str:
     if masters:
         knobs.append(f"master_weights=False ({fmt(masters)} of masters, and their states in the param's "
                      "dtype instead of fp32)")
-    knobs.append("a larger resident_mb, without master_weights (states that fit it stay in device memory)")
+    knobs.append("a larger resident_mb or resident_mb='auto', without master_weights (states that fit it, or the "
+                 "device's spare memory, stay in device memory)")
     knobs.append("more ranks (FSDP shards params, so each rank's host holds 1/N of the states)")
     lines.append("Reduce it with: " + "; ".join(knobs) + "; or free host memory.")
     return " ".join(lines)
@@ -70,6 +71,13 @@ def param_bytes(n_params: int, dtype: torch.dtype, master_weights: bool, state_f
     master = master_weights and dtype in LOW_PRECISION
     step_dtype = torch.float32 if master else dtype
     return n_params * state_factor * step_dtype.itemsize, (n_params * 4 if master else 0)
+
+
+def resident_bytes_of(resident_mb: float | str) -> int:
+    """The bytes a ``resident_mb`` knob keeps off the host for sure: its MiB, or 0 for ``"auto"``, whose share
+    follows the device's spare memory and may fall to nothing at any re-plan (the states then come back to
+    the host, which must have room for them)."""
+    return 0 if isinstance(resident_mb, str) else int(resident_mb * MiB)
 
 
 def job_host_bytes(
@@ -99,7 +107,8 @@ def check(needed: int, total: int | None = None, masters: int = 0, available: in
 def check_layout(layout: HostLayout, params: list[torch.Tensor], groups: list[int]) -> None:
     """Before a plan allocates anything: the pinned bytes it will add (states the first step creates, masters
     not made yet, device states coming back to the host), less what ``resident_mb`` keeps on the device,
-    against the host's free memory. States and masters already on the host count toward the total only."""
+    against the host's free memory. States and masters already on the host count toward the total only.
+    With ``resident_mb="auto"`` the settings carry the budget measured for this plan (swapopt.resident_auto)."""
     ctx = layout.ctx
     masters = ctx.masters
     new = held = new_masters = 0

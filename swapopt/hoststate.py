@@ -138,6 +138,14 @@ def pinned_empty_like(value: torch.Tensor, dtype: torch.dtype | None = None) -> 
     return wrap_like(value, pinned_like(tuple(src.shape), layout_strides(src), dtype or src.dtype))
 
 
+def pinned_copy(value: torch.Tensor) -> torch.Tensor:
+    """A pinned host copy of ``value`` with its dense layout (a DTensor over the host shard for DTensors)."""
+    # src's own strides when dense (channels_last stays channels_last), else contiguous.
+    dst = pinned_empty_like(value)
+    local(dst).copy_(local(value))
+    return dst
+
+
 def new_host_like(param: torch.Tensor, dtype: torch.dtype | None = None, pin: bool = True) -> torch.Tensor:
     """Pinned host memory for one param-shaped state of ``param`` with the param's dense layout, wrapped
     like the param (a DTensor over the host shard for DTensor params); ``pin``: see pinned_like."""

@@ -52,6 +52,27 @@ class _ToCome:
     dtype: torch.dtype
 
 
+def _key_order(entries: Any) -> list[str]:
+    """The state keys of ``entries`` (Host entries or key sequences; None skipped), each once, in the order
+    they first appear: the order a chunk's states are laid out in, key by key."""
+    seen: dict[str, None] = {}
+    for entry in entries:
+        if entry is not None:
+            seen.update(dict.fromkeys(entry.keys if isinstance(entry, Host) else entry))
+    return list(seen)
+
+
+def _by_key(items: list, keys: list[str] | None = None) -> list:
+    """``items`` sorted in place, stably, key by key (each key ranked where it first appears): the arena order
+    of a group of chunks (Note [flat chunk update] in swapopt.flat). ``keys``: each item's key (default: the
+    item's second field, as relayout's (param, key, state) triples have it)."""
+    keys = [item[1] for item in items] if keys is None else keys
+    rank = {k: i for i, k in enumerate(dict.fromkeys(keys))}
+    order = sorted(range(len(items)), key=lambda i: rank[keys[i]])
+    items[:] = [items[i] for i in order]
+    return items
+
+
 def _sizes(stored: Any) -> tuple[int, int]:
     """(bytes, itemsize) of a host state, or of one to come, as pack() takes them."""
     if isinstance(stored, _ToCome):
@@ -115,6 +136,7 @@ class Prepared:
     inputs: list[Any] = field(default_factory=list)  # per chunk: the pipeline's cached inputs (swapopt.pipeline)
     views: list[Any] = field(default_factory=list)  # per chunk: its slot views (Note [persistent slots])
     scalars: Any = None  # the non-swapped states the pipeline snapshots and checks each step (pipeline.ScalarWatch)
+    scratch: Any = None  # the flat updates' scratch tensor, memory only during a step (Note [flat chunk update])
 
     def __post_init__(self) -> None:
         # filled lazily by the pipeline, chunk by chunk, at the plan's first step
@@ -535,6 +557,7 @@ class HostLayout:
                     for key, stored, loc in zip(entry.keys, entry.stored, entry.locals):
                         if loc.numel() and hoststate.is_dense(loc):
                             want.append((p, key, stored))
+            _by_key(want)
             if any(isinstance(s, _ToCome) for _, _, s in want) or not self.packed([local(s) for _, _, s in want]):
                 moves.append(want)
         if not moves:
@@ -671,6 +694,8 @@ class HostLayout:
                 for key, dtype, _ in probed[1]:
                     placed.append((p, key, dtype))
                     sizes.append((loc.numel() * itemsize(dtype), itemsize(dtype)))
+            order = _by_key(list(range(len(placed))), [key for _, key, _ in placed])
+            placed, sizes = [placed[i] for i in order], [sizes[i] for i in order]
             for members, offsets, size in pack(sizes, self.arena_limit):
                 self.place([(*placed[i], offset) for i, offset in zip(members, offsets)], size, out)
         self.arenas.pin_pending()
@@ -701,10 +726,16 @@ class HostLayout:
             regions.append(r)
             offset = -(-(r.offset + r.nbytes) // _SLOT_ALIGN) * _SLOT_ALIGN
 
-        for pos, piece in enumerate(pieces):
-            p = params[piece.index]
-            entry = self.host.get(p)
-            for key, stored, loc in zip(entry.keys, entry.stored, entry.locals) if entry is not None else ():
+        # Key by key (Note [flat chunk update] in swapopt.flat): every piece's first state, then every piece's
+        # second, ..., as relayout and preallocate pack the arenas, so each state key of a chunk is one
+        # stretch of the slot and the chunk still moves in one run where its arena is contiguous.
+        for key in _key_order(self.host.get(params[pc.index]) for pc in pieces):
+            for pos, piece in enumerate(pieces):
+                entry = self.host.get(params[piece.index])
+                if entry is None or key not in entry.keys:
+                    continue
+                j = entry.keys.index(key)
+                stored, loc = entry.stored[j], entry.locals[j]
                 if flat[piece.index]:
                     host = hoststate.flat_view(loc)[piece.start : piece.stop]
                     shape, stride, layout = None, None, None
@@ -714,6 +745,8 @@ class HostLayout:
                     layout = stored if hoststate.is_dtensor(stored) else None
                 nbytes = host.numel() * host.element_size()
                 add(Region(pos, key, offset, nbytes, host.dtype, shape, host, layout, stride))
+        for pos, piece in enumerate(pieces):
+            p = params[piece.index]
             if upcast[piece.index]:  # flat like the piece, or shaped and laid out like the whole param
                 loc = local(p)
                 shape, stride = (None, None) if flat[piece.index] else (tuple(loc.shape), hoststate.layout_strides(loc))

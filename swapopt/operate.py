@@ -510,6 +510,9 @@ class SwapOptimizerOperate:
         """Modeled/measured time of the last step, entry to last swap-out (waits for that swap-out)."""
         if self._start is None or self._end is None:
             return None
+        # Both: a step whose states are all resident swaps nothing, so its end (on the D2H stream) does not
+        # follow its entry (on the compute stream), and elapsed_time needs both finished.
+        self._start.synchronize()
         self._end.synchronize()
         return float(self._start.elapsed_time(self._end))
 

@@ -22,7 +22,7 @@ from loguru import logger
 from pydantic import BaseModel
 
 import device
-from swapopt import checkpoint, config, copying, internals, npu, perparam, pipeline
+from swapopt import checkpoint, config, copying, eviction, internals, npu, perparam, pipeline, resident_auto
 from swapopt.hoststate import local
 from swapopt.context import StepContext
 from swapopt.layout import MiB, HostLayout
@@ -48,6 +48,8 @@ class SwapStats(BaseModel):
     pinned_bytes: int = 0
     # Host seconds spent pinning the arenas so far (Note [arena memory] in swapopt.arena; modeled on the simulator).
     pin_seconds: float = 0.0
+    # The resident budget the last step was planned with (bytes): resident_mb, or what resident_mb="auto" measured.
+    resident_budget_bytes: int = 0
 
 
 def _refuse(optimizer: Any, per_param: bool) -> None:
@@ -135,7 +137,8 @@ class SwapOptimizer(torch.optim.Optimizer):
 
     ``swap_optimizer_times``: about this many chunks per step (swapopt.plan); ``chunk_mb``: fixed chunk budget (MiB), overrides it;
     ``slots``: staging buffers (3 lets swap-in, update and swap-out overlap); ``resident_mb``: states
-    that fit stay on the device and are stepped first; ``per_param``: vouch that an optimizer from
+    that fit stay on the device and are stepped first (``"auto"``: as many as the device's spare memory holds,
+    measured at each step, swapopt.resident_auto); ``per_param``: vouch that an optimizer from
     outside torch.optim is per-param (see swapopt.perparam), so it is accepted. param_groups, state and defaults are the
     wrapped optimizer's own objects.
 
@@ -166,10 +169,11 @@ class SwapOptimizer(torch.optim.Optimizer):
         elif knobs:
             raise TypeError("give the swap knobs either as settings=SwapSettings(...) or as keywords, not both")
         _refuse(optimizer, settings.per_param)
-        if settings.master_weights and settings.resident_mb > 0:
+        auto = resident_auto.fraction_of(settings.resident_mb)
+        if settings.master_weights and (auto is not None or settings.resident_mb > 0):
             raise ValueError(
-                "master_weights=True with resident_mb > 0 is not supported: resident params would need fp32 "
-                "masters in device memory; use one or the other"
+                f"master_weights=True with resident_mb={settings.resident_mb!r} is not supported: resident params "
+                "would need fp32 masters in device memory; use one or the other"
             )
         self.optimizer = optimizer
         self.settings = settings
@@ -184,8 +188,15 @@ class SwapOptimizer(torch.optim.Optimizer):
         self._forward_waits = ForwardWaits(self.operate)
         # What the lower layers get instead of this wrapper (swapopt.context). step_fn is the inner class's
         # raw step (Note [raw step]); one attribute, so that fault injection can wrap it (_step_fn below).
+        # With resident_mb="auto" the lower layers get the measured budget as the number of MiB a fixed
+        # resident_mb gives (0 until the first step measures it; Note [resident auto] in swapopt.resident_auto).
+        self._auto = None if auto is None else resident_auto.AutoResident(
+            auto, settings.slots, settings.swap_optimizer_times, settings.chunk_mb,
+            overlaps=settings.overlap_forward or settings.prefetch,
+        )
+        ctx_settings = settings if auto is None else settings.model_copy(update={"resident_mb": 0.0})
         self._ctx = StepContext(
-            optimizer, settings, self.operate, internals.raw_step(optimizer), Masters(settings.master_weights)
+            optimizer, ctx_settings, self.operate, internals.raw_step(optimizer), Masters(settings.master_weights)
         )
         self._layout = HostLayout(self._ctx)  # host states, arenas and the plan (swapopt.layout)
         self._stats = SwapStats()
@@ -260,7 +271,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         return copying.getstate(self)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        copying.setstate(self, state)
+        copying.setstate(self, state, SwapOptimizer.__init__)
 
     def state_dict(self) -> dict[str, Any]:
         self.wait_for_update()
@@ -279,17 +290,17 @@ class SwapOptimizer(torch.optim.Optimizer):
         """Free the device memory this optimizer holds between steps (staging buffers, resident states, device
         step scalars), for another engine's phase (an RL rollout); ``empty_cache`` also returns the
         allocator's cached blocks to the device. See swapopt.offload."""
-        # swapopt.offload (the package attribute) is the function, not the module: import from the module.
-        from swapopt.offload import offload
-
-        offload(self, empty_cache=empty_cache)
+        self.wait_for_update()  # the other phase reads the params (overlap_forward: an update may be pending)
+        self.wait_for_swap_out()  # in-flight D2H copies still read the staging buffers
+        self.release_staging()
+        eviction.evict(self)
+        if empty_cache:
+            eviction.device_call("empty_cache")
 
     def onload(self) -> None:
         """Undo offload(): device step scalars move back; swapped states stay on the host and the next step
         streams them in (resident ones become resident again)."""
-        from swapopt.offload import onload
-
-        onload(self)
+        eviction.restore_scalars(self)
 
     # ----- swapopt surface -------------------------------------------------------------------
     @property
@@ -486,6 +497,8 @@ class SwapOptimizer(torch.optim.Optimizer):
         self.operate.bind(mod)  # another module: a prefetch made with the old one is dropped
         self.operate.begin_step()  # swap_stats() must not pair this step's start with an older end
         try:
+            if self._auto is not None:
+                self._measure_resident(mod, params, groups)
             # A prefetch outlives prepare() only when the plan it was made for still holds (see prepare)
             prep = layout.prepare(params, groups)
             # States this step creates get their pinned host memory before any param is touched, so a
@@ -504,8 +517,11 @@ class SwapOptimizer(torch.optim.Optimizer):
         op, n = self.operate, len(prep.plan.chunks)
         st = self._stats
         first = st.steps == 0
+        if self._auto is not None:
+            self._auto.planned_resident(layout, prep)
         self._stats = SwapStats(
-            h2d_bytes=run.h2d, d2h_bytes=run.d2h, chunks=n, peak_staging_bytes=op.peak_staging_bytes, steps=st.steps + 1
+            h2d_bytes=run.h2d, d2h_bytes=run.d2h, chunks=n, peak_staging_bytes=op.peak_staging_bytes, steps=st.steps + 1,
+            resident_budget_bytes=int(self._ctx.settings.resident_mb * MiB),
         )
         if first:  # the shape of the swap, once; swap_stats() has every step's counters
             if self._ctx.device == "npu":
@@ -517,10 +533,20 @@ class SwapOptimizer(torch.optim.Optimizer):
                 layout.arenas.pinned_total / MiB, layout.arenas.pin_seconds,
             )  # fmt: skip
 
+    def _measure_resident(self, mod: Any, params: list[torch.Tensor], groups: list[int]) -> None:
+        """resident_mb="auto": measure the device's spare memory and, when the budget changes, hand the planner
+        the new one (a new plan: states move between the device and the host at this step's prepare)."""
+        auto = self._auto
+        assert auto is not None
+        dev = local(params[0]).device
+        if auto.update(mod, dev, self._layout, params, groups):
+            self._ctx.settings = self._ctx.settings.model_copy(update={"resident_mb": auto.budget / MiB})
+            self._layout.prepared = None  # the cached plan was made for the old budget
+
     def _snapshot_hyper(self, groups: Iterable[int]) -> None:
         """Step-time copies of the tensor hyperparameters (lr tensors, tensor betas) of the given groups,
         made on the compute stream before the step's entry event: a scheduler may change the originals
-        in place while the update still runs (overlap_forward; pipeline.run_inner reads the copies)."""
+        in place while the update still runs (overlap_forward; inner.run_inner reads the copies)."""
         self._ctx.hyper = {}
         if not self.operate.overlap:
             return

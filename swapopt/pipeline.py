@@ -32,11 +32,12 @@ from typing import Any, Iterable
 import torch
 
 import device
-from swapopt import direct, hoststate, internals, recovery
+from swapopt import direct, flat, hoststate, inner, internals, recovery
 from swapopt.arena import itemsize
 from swapopt.hoststate import is_swapped_state, local, new_host_like, wrap_like
 from swapopt.context import StepContext
 from swapopt.direct import DirectStep
+from swapopt.flat import FlatStep
 from swapopt.layout import GRAD, HostLayout, Prepared, Region, same_objects
 from swapopt.masters import MASTER
 from swapopt.operate import step_range
@@ -123,14 +124,14 @@ def step_in_place(ctx: StepContext, by_group: dict[int, list[torch.Tensor]], kwa
             stand_in[p] = m
     if not stand_in:
         chunk_state = real_states(ctx, params)
-        run_inner(ctx, by_group, chunk_state, kwargs)
+        inner.run_inner(ctx, by_group, chunk_state, kwargs)
         keep_new_states(ctx, chunk_state)
         return
     chunk_state: defaultdict = defaultdict(dict)
     for p in params:
         if p in ctx.state:  # the real dicts: states are updated where they live
             chunk_state[stand_in.get(p, p)] = ctx.state[p]
-    run_inner(ctx, {gi: [stand_in.get(p, p) for p in ps] for gi, ps in by_group.items()}, chunk_state, kwargs)
+    inner.run_inner(ctx, {gi: [stand_in.get(p, p) for p in ps] for gi, ps in by_group.items()}, chunk_state, kwargs)
     for p in params:
         t = stand_in.get(p, p)
         if t in chunk_state and p not in ctx.state:
@@ -138,33 +139,6 @@ def step_in_place(ctx: StepContext, by_group: dict[int, list[torch.Tensor]], kwa
     for p, m in stand_in.items():
         local(p).detach().copy_(local(m))
         m.grad = None
-
-
-def run_inner(ctx: StepContext, chunk_groups: dict[int, list[torch.Tensor]], chunk_state: Any, kwargs: dict) -> None:
-    """One inner step over the given params and state; the shared groups and state are restored after.
-    The step sees copies of the groups: a write to a group-level value would be lost, so it raises."""
-    order = sorted(chunk_groups)
-    hyper = ctx.hyper  # step-time copies of tensor hyperparameters (overlap_forward), else empty
-    groups = [dict(ctx.param_groups[gi], params=chunk_groups[gi], **hyper.get(gi, {})) for gi in order]
-    run_groups(ctx, order, groups, chunk_state, kwargs)
-
-
-def run_groups(ctx: StepContext, order: list[int], groups: list[dict], chunk_state: Any, kwargs: dict) -> None:
-    """run_inner over ready copies ``groups`` of the param groups ``order`` (current hyperparameters)."""
-    inner = ctx.optimizer
-    hyper = ctx.hyper
-    with internals.stepping_subset(inner, groups, chunk_state):
-        ctx.step_fn(inner, **kwargs)
-    for gi, copy in zip(order, groups):
-        orig = ctx.param_groups[gi]
-        for key, value in copy.items():
-            if key != "params" and (key not in orig or orig[key] is not value) and hyper.get(gi, {}).get(key) is not value:
-                raise RuntimeError(
-                    f"{type(inner).__name__}.step wrote param_groups[{gi}][{key!r}]: SwapOptimizer steps each "
-                    "chunk of params with its own copy of the group, so group-level writes (a step counter, a "
-                    "norm over all params) would be lost or wrong; such an optimizer is not per-param and "
-                    "cannot be swapped"
-                )
 
 
 class ChunkInputs:
@@ -215,6 +189,7 @@ class ChunkInputs:
         )
         self.kept: tuple | None = None  # see keep_states
         self.direct: DirectStep | None = None  # the kept dicts' lists for a direct step (Note [direct step])
+        self.flat: FlatStep | None = None  # the kept dicts' flat tensors (Note [flat chunk update])
         self.direct_for: dict | None = None  # the kept dicts those lists were gathered from
 
     def keep_states(self, chunk_state: dict, handed: tuple, views: Any, direct_ok: bool = False) -> None:
@@ -225,6 +200,11 @@ class ChunkInputs:
         if len(chunk_state) == len(self.targets):  # a param without state: built afresh each step
             if self.direct_for is not chunk_state:
                 self.direct = DirectStep.build(self.members, self.groups, chunk_state) if direct_ok else None
+                self.flat = (
+                    FlatStep.build(self.targets, self.groups, chunk_state)
+                    if flat.ENABLED and self.direct is not None
+                    else None
+                )
                 self.direct_for = chunk_state
             self.kept = (chunk_state, handed, views)
 
@@ -346,6 +326,7 @@ class StepRun:
         self.d2h = 0
         self.typed: dict[tuple[int, torch.dtype], torch.Tensor] = {}  # see region_view
         self.direct_ok = not kwargs and direct.supported(ctx.optimizer, ctx.step_fn)  # Note [direct step]
+        self.scratch_live: torch.Tensor | None = None  # the flat updates' scratch, while it has memory
 
     def run(self) -> None:
         op, prep = self.op, self.prep
@@ -373,10 +354,12 @@ class StepRun:
                 self.update_and_swap_out(k)
                 self.views[k] = None
             op.finish(prep.last_chunk, prep.resident)  # stage 5
+            self.free_scratch()
         except BaseException as exc:  # Note [failure semantics]
             self.views.clear()
             self.typed.clear()
             self.unbind_all()
+            self.free_scratch()
             recovery.recover(self)
             self.pending.clear()
             self.progress.clear()
@@ -384,6 +367,32 @@ class StepRun:
             op.release_staging()
             recovery.drop_frames(exc)
             raise
+
+    def scratch(self, nbytes: int) -> torch.Tensor:
+        """The flat updates' scratch buffer (Note [flat chunk update]), given at least ``nbytes`` of memory on
+        the current (the update's) stream at its first use in the step. The tensor outlives the step without
+        its memory, like the slots (Note [persistent slots] in swapopt.operate), so views of it are made once;
+        it grows (a new tensor) when a chunk needs more."""
+        live = self.scratch_live
+        if live is not None and live.nbytes >= nbytes:
+            return live
+        prep = self.prep
+        kept = prep.scratch
+        if kept is not None and kept.nbytes >= nbytes:
+            device.alloc_storage(kept, kept.nbytes)
+        else:
+            if live is not None:  # too small for this chunk: a larger one from here on
+                self.free_scratch()
+            kept = prep.scratch = torch.empty(nbytes, dtype=torch.uint8, device=device.torch_device(self.ctx.device))
+        self.scratch_live = kept
+        return kept
+
+    def free_scratch(self) -> None:
+        """The scratch's memory goes back to the allocator: only the update's stream, where it was allocated,
+        used it, so its queued work is ordered before any reuse."""
+        live, self.scratch_live = self.scratch_live, None
+        if live is not None:
+            device.free_storage(live)
 
     # ----- stage 1: swap-in ---------------------------------------------------------------------
     def region_view(self, r: Region, slot: torch.Tensor | None) -> torch.Tensor:
@@ -474,7 +483,7 @@ class StepRun:
                 chunk_groups[prep.groups[i]].append(prep.params[i])
             # the real dicts: resident states are updated where they live
             chunk_state = real_states(self.ctx, (prep.params[i] for i in prep.plan.resident))
-            run_inner(self.ctx, chunk_groups, chunk_state, self.kwargs)
+            inner.run_inner(self.ctx, chunk_groups, chunk_state, self.kwargs)
             keep_new_states(self.ctx, chunk_state)
 
     # ----- stage 3: update ----------------------------------------------------------------------
@@ -581,8 +590,11 @@ class StepRun:
             progress["scalars"] = self.snapshots[k]
             progress["stage"] = ("update", k)
             fast = ci.direct if self.direct_ok and kept is not None and ci.direct_for is chunk_state else None
-            if fast is None or not fast.run(self.ctx.optimizer, groups):  # Note [direct step]
-                run_groups(self.ctx, ci.order, groups, chunk_state, self.kwargs)
+            flat = ci.flat if fast is not None else None
+            if flat is not None and flat.run(self.ctx.optimizer, groups, self.scratch):  # Note [flat chunk update]
+                pass
+            elif fast is None or not fast.run(self.ctx.optimizer, groups):  # Note [direct step]
+                inner.run_groups(self.ctx, ci.order, groups, chunk_state, self.kwargs)
             ci.unbind()  # the update is issued: the cached views let go of this step's grads
             progress["stage"] = ("output", k)
             progress["chunk"] = (targets, chunk_state, views)

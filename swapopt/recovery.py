@@ -14,7 +14,7 @@ import torch
 from loguru import logger
 
 import device
-from swapopt import internals
+from swapopt import inner, internals
 from swapopt.hoststate import wrap_like
 from swapopt.operate import step_range
 
@@ -154,7 +154,6 @@ def _recover_piece(run: Any, j: int, pos: int) -> dict[str, Any] | None:
     """Step piece ``pos`` of chunk ``j`` on its own, as the pipeline does, in fresh device buffers on the
     compute stream; every copy is synchronous, so the host has seen all of it on return. Returns the
     piece's scalar states when it is its param's last piece."""
-    from swapopt.pipeline import run_inner  # the pipeline imports this module
 
     ctx, prep, op = run.ctx, run.prep, run.op
     piece = prep.plan.chunks[j].pieces[pos]
@@ -173,7 +172,7 @@ def _recover_piece(run: Any, j: int, pos: int) -> dict[str, Any] | None:
         chunk_state: defaultdict = defaultdict(dict)
         if pst is not None:
             chunk_state[t] = pst
-        run_inner(ctx, {prep.groups[piece.index]: [t]}, chunk_state, run.kwargs)
+        inner.run_inner(ctx, {prep.groups[piece.index]: [t]}, chunk_state, run.kwargs)
         entered = t in chunk_state
         copies, _, scalars = run.piece_output(piece, t, chunk_state[t] if entered else {}, views)
         for dst, src in copies:

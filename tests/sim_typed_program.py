@@ -1,5 +1,5 @@
-"""A program written as for a CUDA or Ascend machine, run under the typed simulator (SWAPOPT_DEVICE=sim,
-SWAPOPT_SIM_TYPED=1, SWAPOPT_SIM_PRESET picks the flavour). Prints one JSON line of what it saw, which
+"""A program written as for a CUDA or Ascend machine, run under the simulator (SWAPOPT_DEVICE=sim,
+SWAPOPT_SIM_PRESET picks the flavour). Prints one JSON line of what it saw, which
 tests/test_sim_device_type.py judges. A process of its own: torch names its PrivateUse1 backend once."""
 
 from __future__ import annotations

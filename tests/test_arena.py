@@ -123,3 +123,37 @@ def test_states_are_views_of_one_arena_per_chunk_and_save_at_their_own_size(tmp_
         for i, st in sd["state"].items():
             assert torch.equal(loaded["state"][i]["exp_avg"], st["exp_avg"])
         assert copy.deepcopy(sd)["state"].keys() == sd["state"].keys()
+
+
+def test_copies_and_launches_per_chunk_are_fixed_whatever_the_tensor_count():
+    """Counted on the simulator (deterministic): a chunk of whole params moves in one H2D and one D2H copy and
+    takes a fixed number of launches, whatever its number of tensors; a chunk holding a piece of a param cut
+    across chunks moves in one copy per state key each way (its states lie key by key in the arena those
+    chunks share, each key's pieces one run), never one per (param, state)."""
+    from swapopt.bench.counts import count_call
+
+    def counts(shapes, times):
+        with simulator.activate():
+            dev = device.torch_device()
+            torch.manual_seed(0)
+            ps = [torch.nn.Parameter(torch.randn(s, device=dev)) for s in shapes]
+            opt = SwapOptimizer(torch.optim.AdamW(ps, lr=1e-2, fused=True), swap_optimizer_times=times)
+            for _ in range(3):
+                for p in ps:
+                    p.grad = torch.randn(p.shape, device=dev)
+                opt.step()
+            opt.wait_for_swap_out()
+            c = count_call(opt.step)
+            opt.wait_for_swap_out()
+            return opt.swap_stats().chunks, c
+
+    chunks, few = counts([(NUMEL,)] * 8, 4)
+    chunks_many, many = counts([(NUMEL,)] * 64, 4)
+    assert chunks == chunks_many == 4
+    for c in (few, many):
+        assert (c.h2d_copies, c.d2h_copies) == (chunks, chunks)
+    assert few.launches == many.launches  # 8 or 64 tensors: the same launches per chunk
+
+    chunks, split = counts([(512, 256)], 8)  # one param cut into pieces: exp_avg and exp_avg_sq a run each
+    assert chunks > 1
+    assert (split.h2d_copies, split.d2h_copies) == (2 * chunks, 2 * chunks)

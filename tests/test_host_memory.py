@@ -157,6 +157,21 @@ def test_resident_mb_lets_the_same_job_fit(monkeypatch):
         assert 0 < dev.host_memory_allocated() < dev.host_mem.capacity
 
 
+def test_resident_auto_keeps_the_states_the_device_holds_off_the_host(monkeypatch):
+    states = sum(8 * s[0] * s[1] for s in SHAPES)
+    monkeypatch.setenv("SWAPOPT_SIM_HOST_MB", str(states / 1.1 / MiB))
+    with simulator.activate() as dev:  # the preset's 80 GB hold every state beside this job
+        model, opt = _job(SHAPES, torch.float32, master_weights=False, resident_mb="auto")
+        _grads(model, 0)
+        opt.step()  # measured before the plan: the host-memory check counts only the states it swaps
+        assert opt.swap_stats().resident_budget_bytes >= states and dev.host_memory_allocated() == 0
+    # the engine's start-up estimate cannot know the device's spare memory: "auto" keeps nothing off the host
+    # for sure (a re-plan may bring every state back), so it counts them all
+    assert hostmem.resident_bytes_of("auto") == hostmem.resident_bytes_of("auto:0.5") == 0
+    assert hostmem.resident_bytes_of(1.5) == int(1.5 * MiB)
+    assert "resident_mb='auto'" in hostmem.describe(2 * MiB, MiB, 2 * MiB)
+
+
 def test_job_host_bytes_is_the_arithmetic_of_the_docs():
     # 6.5B params in bf16 with master weights: 8 B of fp32 moments and 4 B of master a param
     total, masters = hostmem.job_host_bytes(6_500_000_000, torch.bfloat16, master_weights=True)
@@ -194,8 +209,18 @@ def test_capacity_figure_says_a_6_5b_bf16_job_with_masters_fits_an_h100_and_125_
     job = capacity.row("masters", 4096, 32, 79 * 2**30, host, ffn_dim=11008)
     assert job.fits and 77e9 < job.pinned_bytes < 78e9  # masters and moments: 12 B a param
     assert not capacity.row("resident", 4096, 32, 79 * 2**30, host, ffn_dim=11008).fits
+    # with torchao AdamW8bit's moments (a uint8 code a param, an fp32 scale per 256): 4 + 2 x (1 + 4/256) B
+    small = capacity.row("masters-8bit", 4096, 32, 79 * 2**30, host, ffn_dim=11008)
+    assert small.fits and small.pinned_bytes == 4 * job.n_params + -(-job.n_params * 2 * 260 // 256)
+    assert 39.0e9 < small.pinned_bytes < 39.1e9 and small.device_bytes < job.device_bytes
     rows = {r.mode: r for r in capacity.capacity_table("h100", host)}
-    assert rows["resident"].n_params < rows["swapped"].n_params < rows["masters"].n_params
+    assert list(rows) == list(capacity.MODES)
+    n = [rows[m].n_params for m in ("resident", "swapped", "masters", "masters-8bit")]
+    assert n == sorted(n) and len(set(n)) == 4
     assert rows["masters"].n_params >= job.n_params and all(r.fits for r in rows.values())
+    assert 12.4e9 < rows["masters-8bit"].n_params < 12.6e9  # docs/optimizer.md: about 12.5B
     # the host decides for the masters: half the host, a smaller model
-    assert capacity.capacity_table("h100", host // 2)[-1].n_params < rows["masters"].n_params
+    half = {r.mode: r for r in capacity.capacity_table("h100", host // 2)}
+    assert half["masters"].n_params < rows["masters"].n_params
+    # the device decides with 8-bit moments: the host's 125 GiB are not all needed
+    assert rows["masters-8bit"].host_bytes < 0.7 * host

@@ -19,7 +19,7 @@ FLAVOURS = {"h100": ("cuda", "sim"), "910b": ("npu", "npu")}  # preset -> (get_d
 
 @pytest.fixture(scope="module", params=sorted(FLAVOURS))
 def seen(request: pytest.FixtureRequest) -> tuple[str, dict]:
-    env = {**os.environ, "SWAPOPT_DEVICE": "sim", "SWAPOPT_SIM_TYPED": "1", "SWAPOPT_SIM_PRESET": request.param}
+    env = {**os.environ, "SWAPOPT_DEVICE": "sim", "SWAPOPT_SIM_PRESET": request.param}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)

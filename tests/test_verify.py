@@ -19,8 +19,8 @@ import pytest
 from pydantic import BaseModel
 
 from device import sim as device_sim
-from device.sim.preset_file import load_preset, looks_like_path, preset_to_dict, resolve_preset, save_preset
-from device.sim.presets import PRESETS, SimPreset
+from device.sim.preset_file import load_preset, looks_like_path, preset_to_dict, save_preset
+from device.sim.presets import PRESETS, SimPreset, resolve_preset
 from swapopt.verify.calibrate import (
     Calibration,
     CopyPoint,

@@ -1,9 +1,17 @@
 """The simulated accelerator: a device on CPU that fails where a real one would (device/sim/device.py says how).
 
-Parts, one concept each: backend (its PrivateUse1 device type and flavours), tensor (SimTensor), device
-(SimDevice: the torch.cuda-like surface and the dispatch of every op), active (which simulator is active),
-modes and entry_points (how ops and the calls the dispatcher does not see reach it), dispatch and ops
-(per-op classification), sanitizer, memory, streams, timeline, costs, presets, host_time.
+Modules, one concept each, listed from the bottom layer up (a module imports only modules listed before it;
+tests/test_import_layers.py keeps it so):
+- figures: preset_spec (SimPreset), preset_file (a preset as JSON), presets (h100, 910b, get_preset), ops (op
+  schemas), costs (FLOPs per op), host_time (host CPU time inside the simulator), timeline (modeled time);
+- memory and tensors: memory (device allocator model), host_memory (pinned host memory), sanitizer (vector
+  clocks, access logs, StreamRaceError), accesses (what an op touches, which lane it runs on), tensor
+  (SimTensor), kernels (device kernels that differ from the CPU's), npu_amp and npu_ops (torch_npu's names);
+- which simulator is active (active), its dispatch modes (modes), its PrivateUse1 backend (backend) and the torch
+  entry points it wraps (entry_points);
+- SimDevice's parts: streams (streams, events and their ordering), storages (device and pinned memory),
+  race_checks (the sanitizer's checks), outside_dispatch (host reads, aliases, collectives), dispatch (each op);
+- device (SimDevice put together, activate, process_device), and this package's names.
 """
 
 from device.sim.active import active
@@ -17,7 +25,6 @@ from device.sim.device import (
     preset_from_env,
     process_device,
     process_flavour,
-    typed_default,
 )
 from device.sim.presets import PRESETS, SimPreset
 from device.sim.sanitizer import StreamRaceError
@@ -45,5 +52,4 @@ __all__ = [
     "process_device",
     "process_flavour",
     "registered_flavour",
-    "typed_default",
 ]

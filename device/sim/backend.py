@@ -38,6 +38,10 @@ from typing import Any
 
 import torch
 
+from device.sim import kernels, npu_amp, npu_ops
+from device.sim.active import active
+from device.sim.tensor import SimTensor, plain_dispatch
+
 FLAVOURS = ("cuda", "npu")
 # The PrivateUse1 name each flavour registers (see the Note above for why cuda's is not "cuda").
 BACKEND_NAMES = {"cuda": "sim", "npu": "npu"}
@@ -73,9 +77,12 @@ class _Hooks(getattr(getattr(torch._C, "_acc", None), "PrivateUse1Hooks", object
         return True
 
 
+_PRIVATE_USE1 = torch._C._autograd.DeviceType.PrivateUse1
+
+
 class _Guard(getattr(getattr(torch._C, "_acc", None), "DeviceGuard", object)):  # type: ignore[misc]
-    def type_(self) -> Any:
-        return torch._C._autograd.DeviceType.PrivateUse1
+    def type_(self) -> Any:  # asked for every device guard the autograd engine takes
+        return _PRIVATE_USE1
 
 
 class DeviceModule(types.ModuleType):
@@ -83,8 +90,6 @@ class DeviceModule(types.ModuleType):
     attribute is looked up on the active simulator (device.sim.active()), or fails clearly without one."""
 
     def __getattr__(self, name: str) -> Any:
-        from device.sim.active import active
-
         sim = active()
         if sim is None:
             # Between simulators the device is gone: torch's own probes (hasattr, is_available, seeding
@@ -107,12 +112,9 @@ def _backend_kernel(packet: Any, *args: Any, **kwargs: Any) -> Any:
     """Every aten op that reaches the backend itself: torch runs a few with Python dispatch off (torch.tensor
     (data, device=...) builds on the host and copies over that way). Hand them to the active simulator as
     its dispatch mode would have, or run them plainly without one."""
-    from device.sim.active import active
-    from device.sim.tensor import SimTensor, plain_dispatch
-
     op = _overload(packet, args, kwargs)
     sim = active()
-    if sim is None or not sim.typed:
+    if sim is None:
         return plain_dispatch(op, args, kwargs)
     with sim._lock:
         return sim._dispatch(op, (SimTensor,), args, kwargs)
@@ -131,11 +133,8 @@ _KERNELS = torch.library.Library("aten", "IMPL")
 
 def _op_kernel(op: Any, *args: Any, **kwargs: Any) -> Any:
     """A backend kernel registered for one overload (cpu_kernel_composites): run as _backend_kernel runs its ops."""
-    from device.sim.active import active
-    from device.sim.tensor import SimTensor, plain_dispatch
-
     sim = active()
-    if sim is None or not sim.typed:
+    if sim is None:
         return plain_dispatch(op, args, kwargs)
     with sim._lock:
         return sim._dispatch(op, (SimTensor,), args, kwargs)
@@ -211,12 +210,8 @@ def register(flavour: str) -> None:
         packet, _, overload = name.partition(".")
         op = getattr(getattr(torch.ops.aten, packet), overload or "default")
         _KERNELS.impl(name, functools.partial(_op_kernel, op), "PrivateUse1")
-    from device.sim import kernels
-
     _KERNELS.impl("scaled_dot_product_attention", kernels.sdpa_kernel, "AutogradPrivateUse1")  # the CPU's choice
     if flavour == "npu" and "torch_npu" not in sys.modules:
-        from device.sim import npu_amp, npu_ops
-
         sys.modules["torch_npu"] = _npu_package(module)
         npu_ops.install(sys.modules["torch_npu"])  # the torch_npu names frameworks import (device.sim.npu_ops)
         sys.modules["torch_npu.npu"] = sys.modules["torch.npu"] = module  # torch.npu is torch_npu.npu

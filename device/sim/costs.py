@@ -231,6 +231,12 @@ def _per_dim(value: Any, n: int, default: int) -> list[int]:
 _CONVOLUTION = _packets("convolution", "_convolution", "convolution_backward")
 
 
+def priced_by_flops(func: Any) -> bool:
+    """Whether op_flops can give `func` a count (else it is None for every call)."""
+    packet = getattr(func, "overloadpacket", None)
+    return packet in _MM_OPERANDS or packet in _ATTENTION or packet in _CONVOLUTION
+
+
 def op_flops(func: Any, args: tuple, kwargs: dict) -> Flops | None:
     """FLOPs and the precision whose peak prices them, for ops bound by arithmetic; None for all others
     (their time is their bytes). Cheap for the common case: one dictionary lookup."""

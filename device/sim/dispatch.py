@@ -1,92 +1,448 @@
-"""Per-op classification for the simulator: what memory each tensor argument is, which lane an op runs
-on (h2d, d2h, compute), whether the host waits for it, and CUDA's rule against mixing device and host
-arrays in one kernel."""
+"""How the simulated device runs each aten op: Dispatch, the part of SimDevice that its dispatch mode
+(device/sim/modes.py) and its backend kernels (device/sim/backend.py) hand every op to. It unwraps SimTensors to
+the CPU tensors inside, decides where new outputs go, applies CUDA's device rules (and the npu flavour's
+kernels), classifies what the op touches (device/sim/accesses.py), checks it (device/sim/race_checks.py), runs
+it on the host or on a stream, accounts new device memory (device/sim/storages.py) and places it on the
+timeline (device/sim/timeline.py)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+import math
+from typing import Any, NamedTuple
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
-from device.sim.memory import Block
-from device.sim.ops import OpInfo, arg_value
-from device.sim.sanitizer import AccessLog
+from device.sim import kernels, npu_ops
+from device.sim.accesses import DEVICE, HOST_MEM, HOST_OUT, PINNED_OUT, op_lane
+from device.sim.accesses import Arg as _Arg
+from device.sim.costs import op_flops, priced_by_flops
+from device.sim.memory import Block, OutOfMemoryError
+from device.sim.ops import OpInfo, fresh_returns, arg_value, factory_bytes, fresh_outputs, new_outputs, op_info, tensors
+from device.sim.tensor import _CPU, _MIX_FREE, SimTensor, _check_same_device, _sync_metadata, _unwrap, wrap_outputs
+from device.sim.tensor import check_fused_optimizer, is_fused_optimizer
+from device.sim.timeline import Timeline
 
-DEVICE, HOST_MEM, PAGEABLE = "device", "host", "pageable"
-# Where a typed op's new outputs go when not to a device index (see SimDevice._run).
-HOST_OUT, PINNED_OUT = -1, -2
-
-
-@dataclass(eq=False)
-class StorageInfo:
-    uid: int
-    kind: str
-    nbytes: int
-    alloc_actor: int  # the stream whose pool the block returns to when freed
-    log: AccessLog = field(default_factory=AccessLog)
-    recorded: set[int] = field(default_factory=set)  # streams named by record_stream
-    block: Block | None = None  # what the allocator model holds for it (device storages)
-    index: int = 0  # the device it is memory of (device storages)
+# Tensor types whose __torch_dispatch__ is this one have no subclass behavior (plain tensors, Parameter).
+_PLAIN_DISPATCH = torch.Tensor.__torch_dispatch__
 
 
-@dataclass(slots=True)
-class Arg:
-    tensor: torch.Tensor
-    storage: Any
-    info: StorageInfo | None
-    role: str
+class _Plan(NamedTuple):
+    """What Dispatch asks of an op on every call, worked out once per op (an op's schema and packet are rebuilt
+    or looked up on every access)."""
 
-    @property
-    def host_side(self) -> bool:
-        return self.info is None or self.info.kind != DEVICE
-
-    @property
-    def pageable(self) -> bool:
-        return self.info is None or self.info.kind == PAGEABLE
-
-    @property
-    def writes(self) -> bool:
-        return self.role in ("w", "o")
-
-    @property
-    def traffic(self) -> int:
-        """Bytes a kernel moves for this argument: in-place arguments are read and written."""
-        return self.tensor.nbytes * (2 if self.role == "w" else 1)
+    op: OpInfo
+    packet: Any
+    profiler: bool  # a profiler range op (record_function)
+    fused: bool  # a fused optimizer kernel (device.sim.tensor._FUSED_OPTIMIZERS)
+    same_device: bool  # CUDA's one-device rule applies (not fused, not a copy, not in _MIX_FREE)
+    pins: bool  # is_pinned or _pin_memory
+    has_out: bool  # takes an out= argument
+    kernel: Any  # the simulator's own kernel for device tensors (device.sim.kernels.device_kernel), or None
+    npu_kind: str | None  # how the npu flavour runs it (device.sim.kernels.npu_kind)
+    fresh: tuple[bool, ...]  # per return: aliases no input (device.sim.ops.fresh_outputs)
+    flops: bool  # priced by arithmetic as well as bytes (device.sim.costs.priced_by_flops)
+    func: Any  # the op itself: kept alive, so that its id stays its own while _PLANS holds the plan
 
 
-def op_lane(
-    func: Any, op: OpInfo, args: tuple, kwargs: dict, accesses: list[Arg], new_on_device: bool = True
-) -> tuple[str, bool, bool]:
-    """(lane, whether the host waits for the op, whether the host stages a pageable source itself).
-    new_on_device: whether the op's new outputs are device memory (False: a copy to the host)."""
-    blocking = op.sync or op.value_return
-    if op.local_scalar:
-        return "d2h", True, False
-    if not op.copy:
-        return "compute", blocking, False
-    non_blocking = bool(arg_value(func, args, kwargs, "non_blocking", False))
-    written, read = [a for a in accesses if a.writes], [a for a in accesses if not a.writes]
-    if (op.new_outputs and new_on_device) or any(not a.host_side for a in written):
-        sources = [a for a in read if a.host_side]
-        if sources:  # H2D; from pageable memory the host stages the source before the call returns
-            return "h2d", blocking or not non_blocking, any(a.pageable for a in sources)
-    elif any(not a.host_side for a in read):
-        # D2H; into pageable memory the call returns only when the copy is done, as CUDA does
-        pageable = any(a.pageable for a in written) or (op.new_outputs and not non_blocking)
-        return "d2h", blocking or not non_blocking or pageable, False
-    return "compute", blocking, False
+# id(op) -> its _Plan. Keyed by id: an OpOverload hashes in Python (torch/_ops.py), a cost on every op.
+_PLANS: dict[int, _Plan] = {}
 
 
-def check_same_device(op: OpInfo, accesses: list[Arg]) -> None:
-    """An in-place kernel cannot mix device memory with host arrays (0-dim CPU scalars are fine), as on CUDA.
-    Out-of-place ops are let through so that tests can compare host and device tensors directly."""
-    # 0-dim and 1-element host tensors (a fused kernel's lr of any rank) are read at launch, as torch allows.
-    big = [a for a in accesses if a.host_side and a.tensor.numel() > 1]
-    if big and len(big) < len(accesses):
+def _plan(func: Any) -> _Plan:
+    plan = _PLANS.get(id(func))
+    if plan is None:
+        plan = _PLANS[id(func)] = _make_plan(func)
+    return plan
+
+
+def _make_plan(func: Any) -> _Plan:
+    op = op_info(func)
+    packet = func.overloadpacket
+    fused = is_fused_optimizer(func)
+    return _Plan(
+        op=op,
+        packet=packet,
+        profiler=func.namespace == "profiler",
+        fused=fused,
+        same_device=not (fused or packet in _MIX_FREE or op.copy),
+        pins=packet is torch.ops.aten.is_pinned or packet is torch.ops.aten._pin_memory,
+        has_out=any(role == "o" for _, _, role in op.roles),
+        kernel=kernels.device_kernel(func),
+        npu_kind=kernels.npu_kind(func),
+        fresh=fresh_returns(func),
+        flops=priced_by_flops(func),
+        func=func,
+    )
+
+
+class Dispatch:
+    """SimDevice's op dispatch. Mixed into SimDevice (device/sim/device.py), whose __init__ makes the state used
+    here (_timeline, _labels, _pending, _host_alloc, _late_frees, _held, ...)."""
+
+    # Set by SimDevice.__init__.
+    _timeline: Timeline
+    _labels: list[str]
+    _pending: BaseException | None
+    _host_alloc: int
+    backend: str
+    flavour: str
+    sanitize: bool
+    cpu_fallbacks: dict[str, int]
+    strided_copies: int
+
+    def _keep(self, err: BaseException) -> None:
+        """An error inside backward, raised when backward() returns (Note [backward on the caller's thread]);
+        the first one wins, as the first is what a pass on hardware would have stopped at."""
+        if self._pending is None:
+            self._pending = err
+
+    def _deferred(self, err: BaseException, func: Any, args: tuple, kwargs: dict) -> Any:
+        """An error of the op `func` inside backward (Note [backward on the caller's thread]): kept to be
+        raised when backward() returns, and the op run plainly so that the pass can finish."""
+        self._keep(err)
+        found: list[SimTensor] = []
+        hosts: list[torch.Tensor] = []
+        args = tuple([_unwrap(a, found, hosts) for a in args])
+        kwargs = {k: _unwrap(v, found, hosts) for k, v in kwargs.items()}
+        if "device" in kwargs:
+            kwargs["device"] = _CPU
+        with torch.utils._python_dispatch._disable_current_modes():
+            out = func(*args, **kwargs)
+        place = found[0].device.index if found else HOST_OUT
+        return self._wrap(out, found, hosts, place, func.overloadpacket)
+
+    def _raise_pending(self) -> None:
+        if self._pending is not None:
+            err, self._pending = self._pending, None
+            raise err
+
+    def _label(self) -> str | None:
+        return self._labels[-1] if self._labels else None
+
+    def _profiler_op(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        out = func(*args, **kwargs)
+        name = str(func)
+        if "enter" in name and args and isinstance(args[0], str):
+            self._labels.append(args[0])
+        elif "exit" in name and self._labels:
+            # record_function ranges nest like context managers (the exit handle is a fresh
+            # ScriptObject each time, so match by position, not identity).
+            self._labels.pop()
+        return out
+
+    def _dispatch(self, func: Any, types: tuple, args: tuple, kwargs: dict) -> Any:
+        if self._late_frees:
+            self._drain_frees()
+        if self._held:
+            self._release_collectives()
+        plan = _plan(func)
+        if plan.profiler:
+            return self._profiler_op(func, args, kwargs)
+        for t in types:
+            if t is SimTensor:
+                continue
+            if issubclass(t, FakeTensor):
+                return func(*args, **kwargs)
+            if t.__torch_dispatch__ is not _PLAIN_DISPATCH:
+                return NotImplemented  # let the subclass (DTensor) run; its local ops come back here
+        return self._device_dispatch(func, args, kwargs, plan)
+
+    def _route(self, device: Any) -> int:
+        """The placement a `device=` argument names: a device index, or HOST_OUT for the host. The cuda
+        flavour takes "cuda" for its own device type, as code written for CUDA names it, and so does the npu
+        flavour after torch_npu.contrib.transfer_to_npu is imported, as torch_npu's does."""
+        d = device if isinstance(device, torch.device) else torch.device(device)
+        if d.type == "cpu":
+            return HOST_OUT
+        if d.type == self.backend or (d.type == "cuda" and (self.flavour == "cuda" or npu_ops.cuda_to_npu())):
+            index = self._index(d)
+            return self.current_device() if index is None else index
         raise RuntimeError(
-            f"Expected all tensors to be on the same device: {op.name} mixes device tensors with a host "
-            f"tensor of shape {tuple(big[0].tensor.shape)}. (Simulated device: host tensors are pinned_empty "
-            f"allocations, torch.tensor literals and tensors created before activation; "
-            f".to(device.torch_device()) does not copy here: allocate on the device and copy_ instead.)"
+            f"device {d} is not available here: the simulated {self.flavour} device is {self.backend!r} "
+            f"(and the host is cpu)"
         )
+
+    def _device_dispatch(self, func: Any, args: tuple, kwargs: dict, plan: _Plan | None = None) -> Any:
+        """An op with SimTensors unwrapped to the CPU tensors inside (Note [simulated device type]): where its
+        outputs go, CUDA's device rules, pinning, the npu flavour's kernels; then run it (_run) and wrap what
+        it made on a device."""
+        plan = plan or _plan(func)
+        fused = plan.fused
+        if fused and not (self.flavour == "npu" and plan.npu_kind == kernels.CPU_FALLBACK):
+            # CUDA's rule for these kernels (device.sim.tensor._FUSED_OPTIMIZERS). torch_npu's CPU fallback copies
+            # every argument to the host first, so there host tensors of any shape are fine.
+            check_fused_optimizer(func, args, kwargs)
+        found: list[SimTensor] = []
+        hosts: list[torch.Tensor] = []
+        unwrapped = []
+        for a in args:  # _unwrap, with its commonest cases inline (this runs for every argument of every op)
+            kind = type(a)
+            if kind is SimTensor:
+                found.append(a)
+                unwrapped.append(a._elem)
+            elif kind is int or kind is float or kind is bool or a is None:
+                unwrapped.append(a)
+            else:
+                unwrapped.append(_unwrap(a, found, hosts))
+        args = tuple(unwrapped)
+        if kwargs:
+            kwargs = {k: _unwrap(v, found, hosts) for k, v in kwargs.items()}
+        packet = plan.packet
+        device = kwargs.get("device")
+        if device is not None and torch.device(device).type == "meta":
+            return func(*args, **kwargs)  # meta tensors hold no memory and run no kernel, as on CUDA
+        if device is not None:
+            place = self._route(device)
+            kwargs["device"] = _CPU
+        elif found:
+            place = found[0].device.index
+        else:
+            place = HOST_OUT
+        if found and plan.same_device:
+            _check_same_device(func, found, hosts)
+        if plan.pins and packet is torch.ops.aten.is_pinned:
+            if found:
+                return False
+            return self._is_pinned(args[0])
+        if (plan.pins and packet is torch.ops.aten._pin_memory) or kwargs.get("pin_memory"):
+            # Only host memory can be pinned: pinning a device tensor, or a pinned result on the device, is
+            # refused as CUDA refuses it; a pinned host result shaped like a device tensor
+            # (`empty_like(t, device="cpu", pin_memory=True)`) is fine, as on CUDA.
+            if place >= 0 or (packet is torch.ops.aten._pin_memory and found):
+                kind = found[0].device.type if found else self.backend
+                raise RuntimeError(f"cannot pin '{kind}' memory: only dense CPU tensors can be pinned")
+            if found and plan.op.copy:
+                # A copy of device data into a new pinned host tensor (`_to_copy(t, device="cpu",
+                # pin_memory=True)`): a device-to-host copy on the stream, its output pinned.
+                kwargs["pin_memory"] = False
+                return self._wrap(self._run(func, args, kwargs, PINNED_OUT), found, hosts, HOST_OUT, packet)
+            return self._pinned_alloc(func, args, kwargs)
+        if place == HOST_OUT and packet is torch.ops.aten._to_copy and found and kwargs.get("non_blocking"):
+            place = PINNED_OUT
+        fallback = False
+        if self.flavour == "npu" and found:  # fused optimizer kernels as op-plugin has them (device.sim.kernels)
+            kind = plan.npu_kind
+            if kind == kernels.NATIVE:
+                kernels.check_npu_args(func, kwargs)
+            if kind == kernels.IGNORES_SCALING:
+                kwargs = kernels.without_scaling(kwargs)
+            fallback = kind == kernels.CPU_FALLBACK
+            if fallback:
+                name = func.overloadpacket.__name__
+                self.cpu_fallbacks[name] = self.cpu_fallbacks.get(name, 0) + 1
+                self._host_sync_stream()  # the fallback's copies to the host wait for the stream's queued work
+        out = self._run(func, args, kwargs, place, plan)
+        if fallback:
+            self._host_sync_stream()  # ... and its copies back are synchronous too
+        if place < 0 and not found:
+            return out
+        wrapped = self._wrap(out, found, hosts, place, packet)
+        if found and plan.has_out:
+            # An out= argument the kernel resized (an empty `out`, as torch allows): its wrapper takes the
+            # sizes its CPU tensor now has, as a device tensor's own sizes would change.
+            for w in found:
+                _sync_metadata(w)
+        return wrapped
+
+    def _wrap(self, out: Any, found: list[SimTensor], hosts: list[torch.Tensor], place: int, packet: Any) -> Any:
+        return wrap_outputs(out, found, hosts, self._torch_device_of(place) if place >= 0 else None, packet)
+
+    def _torch_device_of(self, index: int) -> torch.device:
+        """torch.device(self.backend, index), made once per index."""
+        made = self._device_objects.get(index)
+        if made is None:
+            made = self._device_objects[index] = torch.device(self.backend, index)
+        return made
+
+    def _pinned_alloc(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """pin_memory=True factories and Tensor.pin_memory() of host tensors give host memory, like pinned_empty
+        (pinning device memory was refused before: _device_dispatch)."""
+        if func.overloadpacket is torch.ops.aten._pin_memory:
+            func, args, kwargs = torch.ops.aten.clone.default, args[:1], {}
+        else:
+            kwargs = {**kwargs, "pin_memory": False}  # a CPU-only torch cannot pin
+        self._host_alloc += 1
+        try:
+            return self._run(func, args, kwargs, HOST_OUT)
+        finally:
+            self._host_alloc -= 1
+
+    def _run(self, func: Any, args: tuple, kwargs: dict, place: int, plan: _Plan | None = None) -> Any:
+        """Run one op on unwrapped tensors. ``place``: where new outputs go (a device index, HOST_OUT or
+        PINNED_OUT)."""
+        plan = plan or _plan(func)
+        op = plan.op
+        tensor_args: list[_Arg] = []
+        has_input = has_device = False
+        storages = self._storages
+        nargs = len(args)
+        for position, name, role in op.roles:
+            value = args[position] if position < nargs else kwargs.get(name)
+            for t in (value,) if type(value) is torch.Tensor else tensors(value):
+                if not t.is_cpu or t.layout is not torch.strided:
+                    continue
+                storage = t.untyped_storage()
+                info = storages.get(storage._cdata)
+                if info is None and self._host_starts and role != "v":
+                    t, storage, info = self._alias(t, storage)  # Note [aliases of host memory]
+                if info is None and role != "v" and t.numel() and storage._cdata in self._first_uid:
+                    raise RuntimeError(
+                        f"{func} used a device tensor of shape {tuple(t.shape)} whose memory free_storage gave "
+                        "back (a GPU would fault, or read memory now someone else's)"
+                    )
+                has_input = True
+                has_device = has_device or (info is not None and info.kind == DEVICE)
+                tensor_args.append(_Arg(t, storage, info, role))
+        accesses = [a for a in tensor_args if a.role != "v"]
+        if op.resize and has_device:
+            self._check_resize(func, args, kwargs, tensor_args)
+        if not accesses and not op.new_outputs:
+            out = func(*args, **kwargs)  # views and metadata
+            if has_device:
+                self._refresh_sizes(tensor_args)
+            return out
+        creates_device = op.new_outputs and place >= 0
+        if self._host_alloc or not (has_device or creates_device):
+            return self._host_op(func, op, args, kwargs, accesses)
+        return self._stream_op(func, plan, args, kwargs, tensor_args, accesses, has_device, has_input, place)
+
+    def _host_op(self, func: Any, op: OpInfo, args: tuple, kwargs: dict, accesses: list[_Arg]) -> Any:
+        tracked = [a for a in accesses if a.info is not None]
+        if self.sanitize and tracked:
+            host = self._host()
+            epoch = self._clocks.tick(host)
+            self._check_and_log(op.name, [(a, host, epoch) for a in tracked])
+        out = func(*args, **kwargs)
+        if self._host_alloc:
+            for t in new_outputs(func, out):
+                storage = t.untyped_storage()
+                if self._lookup(storage) is None:
+                    self._register(storage, HOST_MEM)
+        elif not op.alloc_only:
+            self._timeline.host_op(sum(a.tensor.nbytes for a in accesses), op.name, self._label())
+        return out
+
+    def _stream_op(
+        self,
+        func: Any,
+        plan: _Plan,
+        args: tuple,
+        kwargs: dict,
+        tensor_args: list[_Arg],
+        accesses: list[_Arg],
+        has_device: bool,
+        has_input: bool,
+        place: int,
+    ) -> Any:
+        """Run a device op on its stream: on device tensors, with the simulator's own kernel where torch's CPU
+        kernel cannot compute it (plan.kernel, device.sim.kernels.device_kernel)."""
+        op = plan.op
+        kernel = plan.kernel if has_device else None
+        stream = self._op_stream()
+        index = place if place >= 0 else None
+        if not has_input:  # a factory: refuse before allocating
+            need = factory_bytes(func, args, kwargs)
+            if not self._memory(index).fits(need):
+                raise self._oom(need, index)
+        new_on_device = place >= 0
+        lane, blocking, staged_src = op_lane(func, op, args, kwargs, accesses, new_on_device)
+        if self.flavour == "npu" and op.copy and lane in ("h2d", "d2h") and not blocking and not all(
+            a.tensor.is_contiguous() for a in accesses
+        ):
+            # torch_npu copies a non-contiguous host<->device pair through contiguous temporaries and waits for
+            # the copy stream: the host blocks, however non_blocking was asked.
+            blocking = True
+            self.strided_copies += 1
+
+        host = self._host()
+        self._clocks.merge_actor(stream.actor, host)  # a launch follows everything the host did before it
+        epoch = self._clocks.tick(stream.actor)
+        if self.sanitize and accesses:
+            # Copies access host memory from the stream; other kernels only take host scalars, read at launch.
+            host_epoch = 0
+            checks = []
+            for a in accesses:
+                if a.host_side and (not op.copy or (staged_src and not a.writes)):
+                    host_epoch = host_epoch or self._clocks.tick(host)
+                    checks.append((a, host, host_epoch))
+                else:
+                    checks.append((a, stream.actor, epoch))
+            self._check_and_log(op.name, checks)
+
+        out = (kernel or func)(*args, **kwargs)
+
+        new = fresh_outputs(plan.fresh, out)
+        created = []
+        pinned = []
+        try:
+            for t in new:
+                storage = t.untyped_storage()
+                if self._lookup(storage) is not None:
+                    continue
+                if new_on_device:
+                    created.append((t, storage, self._register(storage, DEVICE, stream.actor, index=index)))
+                elif place == PINNED_OUT:  # .to("cpu", non_blocking=True) copies into pinned memory, as torch does
+                    pinned.append((t, self._register(storage, HOST_MEM)))
+        except OutOfMemoryError:  # the op's outputs are dropped, as if the allocation had failed
+            for _, storage, _ in created:
+                self._forget(storage)
+            raise
+        self._refresh_sizes(tensor_args)
+        if self.sanitize:
+            # A fresh block is safe to use on its allocation stream only: the caching allocator may hand out
+            # memory whose last user on that stream is still queued, so other streams must wait for it first.
+            name = f"{op.name} (allocation)" if op.alloc_only else op.name
+            for t, _, info in created:
+                self._log_new(t, info, stream, epoch, name)
+            # The stream writes a pinned output until the copy is done: the host may read it only after.
+            for t, info in pinned:
+                self._log_new(t, info, stream, epoch, name)
+        if op.alloc_only:
+            return out
+
+        if lane == "compute":
+            nbytes = sum(a.traffic for a in accesses) + sum(t.nbytes for t in new)
+        elif op.local_scalar:
+            nbytes = sum(a.tensor.element_size() for a in accesses)
+        else:
+            nbytes = sum(a.tensor.nbytes for a in accesses if a.writes) + sum(t.nbytes for t in new)
+        flops = op_flops(func, args, kwargs) if plan.flops and lane == "compute" else None
+        # The tensors it takes set the host's cost of issuing it (Note [host clock] in device/sim/timeline.py).
+        timed = self._timeline.launch(stream.name, stream.tail_us, lane, nbytes, op.name, self._label(), flops,
+                                      tensors=len(tensor_args))
+        stream.tail_us = timed.end_us
+        if blocking:
+            self._clocks.merge_actor(host, stream.actor)
+            self._timeline.wait_host(timed.end_us)
+        return out
+
+    def _refresh_sizes(self, tensor_args: list[_Arg]) -> None:
+        """Pick up storages resized by an op (resize_) or behind the dispatcher (storage.resize_)."""
+        for a in tensor_args:
+            info = a.info
+            if info is not None and info.kind == DEVICE:
+                nbytes = a.storage.nbytes()
+                if nbytes != info.nbytes:
+                    # A resize takes a new block, copies and frees the old one: the peak holds both.
+                    mem = self._mem_of(info.index)
+                    block = mem.allocate(nbytes)
+                    mem.free(info.block)
+                    if block is None:  # resized behind the dispatcher: past capacity, report it now
+                        info.block, info.nbytes = Block(0), 0
+                        raise self._oom(nbytes, info.index)
+                    grew, info.block, info.nbytes = nbytes > info.nbytes, block, nbytes
+                    if grew and self.sanitize:  # a fresh block: safe on the stream that resized it only
+                        self._allocated(info, self._current())
+
+    def _check_resize(self, func: Any, args: tuple, kwargs: dict, tensor_args: list[_Arg]) -> None:
+        """resize_ of a device tensor beyond what fits raises before resizing, like the allocator."""
+        size = arg_value(func, args, kwargs, "size")
+        if not tensor_args or not isinstance(size, (list, tuple)):
+            return
+        a = tensor_args[0]
+        if a.info is None or a.info.kind != DEVICE:
+            return
+        need = (a.tensor.storage_offset() + math.prod(size)) * a.tensor.element_size()
+        if need > a.info.nbytes and not self._memory().fits(need):
+            raise self._oom(need)

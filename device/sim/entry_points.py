@@ -5,9 +5,9 @@ what it cannot see, so that the simulator judges those paths as CUDA would:
 - `Tensor.record_stream(sim_stream)`: torch's parser accepts only its own Stream type;
 - host reads that bypass the dispatcher: `tolist()`, `numpy()`, `__array__`, DLPack (`torch.save` is
   covered by the serialization tagger below);
-- storages copied outside the dispatcher (`deepcopy`, `UntypedStorage.clone`) keep the kind of their source;
-- torch's `Optimizer.load_state_dict` casting states to `param.device`;
-- `Tensor.cuda()` / `Module.cuda()` and `.to("cuda")`: the simulated device stands in for CUDA;
+- `Tensor.cuda()` / `Module.cuda()` and `.to("cuda")`: the simulated device stands in for CUDA (the cuda flavour,
+  or the npu flavour once torch_npu.contrib.transfer_to_npu is imported), and torch.cuda's functions answer for it;
+- `t.data = device_tensor` and Module._apply's choice to keep a Parameter (Note [module moves]);
 - threads started while active run under the simulator as host threads of their own (start and join
   order them);
 - async collectives run on a collectives stream until `work.wait()`.
@@ -80,50 +80,6 @@ def _record_stream(original):
     return record_stream
 
 
-def _clone(original):
-    @functools.wraps(original)
-    def clone(self):
-        sim = _sim()
-        if sim is None or sim.typed or self.device.type != "cpu":
-            return original(self)
-        like = sim._lookup(self)
-        new = type(self)(self.nbytes())
-        sim._adopt(new, like)
-        return new.copy_(self)  # a dispatched copy: checked and timed like any other
-
-    return clone
-
-
-def _step_on_device(param_id: Any = None, param_groups: Any = None) -> bool:
-    """torch keeps `step` on param.device only for fused and capturable groups."""
-    for group in param_groups or ():
-        if param_id in group["params"]:
-            return bool(group.get("fused") or group.get("capturable"))
-    return False
-
-
-def _param_policy(original):
-    @functools.wraps(original)
-    def policy(param, value, *args, **kwargs):
-        out = original(param, value, *args, **kwargs)
-        sim = _sim()
-        if sim is None or sim.typed:
-            return out  # typed: torch's own cast to param.device copies, as on a device
-        key = kwargs.get("key", args[2] if len(args) > 2 else None)
-        if key == "step" and not _step_on_device(*args[:2]):
-            return out  # a plain optimizer's `step` stays on the host, as on CUDA
-        if sim is not None and isinstance(out, torch.Tensor) and out.device.type == "cpu":
-            return sim._to_param_device(param, out)
-        return out
-
-    return policy
-
-
-def _static(make):
-    """Wrap a staticmethod found in a class __dict__."""
-    return lambda original: staticmethod(make(original.__func__ if isinstance(original, staticmethod) else original))
-
-
 def _is_cuda(target: Any) -> bool:
     if isinstance(target, str):
         return target.split(":")[0] == "cuda"
@@ -131,13 +87,13 @@ def _is_cuda(target: Any) -> bool:
 
 
 def routes_cuda(sim: Any) -> bool:
-    """Whether "cuda" names this simulator's device: the cuda flavour of a typed simulator, or the npu flavour
+    """Whether "cuda" names this simulator's device: the cuda flavour, or the npu flavour
     once torch_npu.contrib.transfer_to_npu was imported (device.sim.npu_ops)."""
-    return sim is not None and sim.typed and (sim.flavour == "cuda" or npu_ops.cuda_to_npu())
+    return sim is not None and (sim.flavour == "cuda" or npu_ops.cuda_to_npu())
 
 
 def _routed(sim: Any, target: Any) -> Any:
-    """A "cuda" device argument as the typed cuda flavour's own device (same index); others unchanged."""
+    """A "cuda" device argument as the simulator's own device (same index); others unchanged."""
     if _is_cuda(target):
         return sim.torch_device(torch.device(target).index)
     return target
@@ -152,11 +108,6 @@ def _routed_to_args(sim: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     return args, kwargs
 
 
-def _to_sim(sim: Any, t: torch.Tensor) -> torch.Tensor:
-    """`.cuda()`: device memory stays, host memory is copied to a device tensor."""
-    return sim._device_copy(t) if sim.is_host(t) else t
-
-
 def _tensor_cuda(original):
     @functools.wraps(original)
     def cuda(self, device=None, non_blocking=False, **kwargs):
@@ -164,9 +115,7 @@ def _tensor_cuda(original):
         if routes_cuda(sim):
             index = None if device is None else torch.device("cuda", device).index if isinstance(device, int) else torch.device(device).index
             return self.to(sim.torch_device(index), non_blocking=non_blocking, **kwargs)
-        if sim is None or sim.typed:
-            return original(self, device, non_blocking, **kwargs)
-        return _to_sim(sim, self)
+        return original(self, device, non_blocking, **kwargs)
 
     return cuda
 
@@ -177,17 +126,7 @@ def _tensor_to(original):
         sim = _sim()
         if routes_cuda(sim):
             args, kwargs = _routed_to_args(sim, args, kwargs)
-            return original(self, *args, **kwargs)
-        if sim is None or sim.typed:
-            return original(self, *args, **kwargs)
-        if args and _is_cuda(args[0]):
-            args = args[1:]
-        elif _is_cuda(kwargs.get("device")):
-            kwargs = {k: v for k, v in kwargs.items() if k != "device"}
-        else:
-            return original(self, *args, **kwargs)
-        out = original(self, *args, **kwargs) if (args or kwargs) else self
-        return _to_sim(sim, out)
+        return original(self, *args, **kwargs)
 
     return to
 
@@ -222,7 +161,7 @@ def _data_property(original):
 # for meta ones, and not at all once torch.__future__.set_overwrite_module_params_on_conversion(True); otherwise
 # it makes new Parameters (an optimizer built before `to_empty` on a meta-built module keeps the meta ones).
 # It also keeps the objects, swapping their contents, for every result that is a traceable wrapper subclass,
-# which a SimTensor is. So while a typed simulator is active, the choice for a move to or from simulated device
+# which a SimTensor is. So while a simulator is active, the choice for a move to or from simulated device
 # memory is made as for CUDA memory: Module._apply's view of is_traceable_wrapper_subclass answers whether CUDA
 # would keep the Parameter, and the swap it then does is how a kept one changes its data here.
 _APPLY = threading.local()  # the (tensor, result) of the last move of the Module._apply running on this thread
@@ -244,7 +183,7 @@ def _module_apply(original):
     @functools.wraps(original)
     def _apply(self, fn, *args, **kwargs):
         sim = _sim()
-        if sim is None or not sim.typed or getattr(fn, "_swapopt_sim_move", False):
+        if sim is None or getattr(fn, "_swapopt_sim_move", False):
             return original(self, fn, *args, **kwargs)
 
         def move(t):
@@ -277,9 +216,7 @@ def _module_cuda(original):
         sim = _sim()
         if routes_cuda(sim):
             return self._apply(lambda t: t.cuda(device))
-        if sim is None or sim.typed:
-            return original(self, device)
-        return self._apply(lambda t: _to_sim(sim, t))
+        return original(self, device)
 
     return cuda
 
@@ -290,13 +227,6 @@ def _module_to(original):
         sim = _sim()
         if routes_cuda(sim):
             args, kwargs = _routed_to_args(sim, args, kwargs)
-            return original(self, *args, **kwargs)
-        if sim is not None and not sim.typed and ((args and _is_cuda(args[0])) or _is_cuda(kwargs.get("device"))):
-            args = args[1:] if args and _is_cuda(args[0]) else args
-            kwargs = {k: v for k, v in kwargs.items() if k != "device"}
-            if args or kwargs:
-                original(self, *args, **kwargs)
-            return self._apply(lambda t: _to_sim(sim, t))
         return original(self, *args, **kwargs)
 
     return to
@@ -402,8 +332,6 @@ def install() -> None:
     _patch(T, "cuda", _tensor_cuda)
     _patch(T, "to", _tensor_to)
     _patch(T, "data", _data_property)
-    _patch(torch.UntypedStorage, "clone", _clone)
-    _patch(torch.optim.Optimizer, "_process_value_according_to_param_policy", _static(_param_policy))
     _patch(torch.nn.Module, "cuda", _module_cuda)
     _patch(torch.nn.Module, "to", _module_to)
     _patch(torch.nn.Module, "_apply", _module_apply)  # Note [module moves]
@@ -422,7 +350,7 @@ def install() -> None:
                 _patch(torch.distributed, name, lambda _o, wrapped=getattr(c10d, name): wrapped)
 
 
-# torch.cuda's functions and classes the typed cuda flavour presents (what libraries call directly).
+# torch.cuda's functions and classes the cuda flavour presents (what libraries call directly).
 # torch.cuda.is_available() stays False: no tensor is cuda-typed (Note [simulated device type]), and torch's
 # own code that checks it and then compares device types (DCP's loaders, say) must not take the CUDA path.
 _CUDA_SURFACE = (
@@ -430,7 +358,8 @@ _CUDA_SURFACE = (
     "Stream", "Event", "current_stream", "default_stream", "stream", "set_stream", "memory_allocated",
     "max_memory_allocated", "memory_reserved", "max_memory_reserved", "reset_peak_memory_stats", "empty_cache",
     "mem_get_info", "memory_stats", "get_device_name", "get_device_properties", "is_bf16_supported",
-    "manual_seed", "manual_seed_all",
+    "manual_seed", "manual_seed_all", "get_rng_state", "set_rng_state", "get_rng_state_all", "set_rng_state_all",
+    "initial_seed", "seed", "seed_all",
 )  # fmt: skip
 _CUDA_SAVED: dict[str, Any] = {}
 
@@ -458,7 +387,7 @@ def _framework_accelerator(original):
 
 def present_cuda(sim: Any) -> None:
     """Make torch.cuda (and, on the cuda flavour, torch.accelerator's device type, for frameworks) answer for
-    `sim` (a typed simulator that routes "cuda": routes_cuda), or give them back (None)."""
+    `sim` (a simulator that routes "cuda": routes_cuda), or give them back (None)."""
     cuda = torch.cuda
     if sim is None:
         for name, original in _CUDA_SAVED.items():
@@ -486,3 +415,13 @@ def uninstall() -> None:
         else:
             setattr(owner, name, original)
     _SAVED.clear()
+
+
+def _present_active() -> None:
+    """torch_npu.contrib.transfer_to_npu was imported: torch.cuda answers for the active simulator from now on."""
+    sim = _sim()
+    if routes_cuda(sim):
+        present_cuda(sim)
+
+
+npu_ops.on_cuda_to_npu(_present_active)

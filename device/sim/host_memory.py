@@ -38,6 +38,21 @@ def power_of_two(nbytes: int) -> int:
     return 0 if nbytes <= 0 else 1 << (int(nbytes) - 1).bit_length()
 
 
+def npu_pinned_bytes(nbytes: int, conf: str | None = None) -> int:
+    """Host bytes torch_npu's pinned host allocator takes for a request of ``nbytes``. By default it rounds up
+    to a power of two (v2.6.0 csrc/core/npu/CachingHostAllocator.cpp:138 ``PowerOf2Ceil``; v2.7.1 keeps
+    upstream's CachingHostAllocatorImpl, which rounds the same way), so a pinned buffer just over a power of
+    two takes almost twice its size. ``PYTORCH_NPU_ALLOC_CONF=pin_memory_expandable_segments:True``
+    (``conf``; the environment when None) selects the expandable host allocator, which rounds
+    ``nbytes + 32`` up to 512 bytes instead (v2.7.1 CachingHostAllocator.cpp:947-955)."""
+    if nbytes <= 0:
+        return 0
+    conf = os.environ.get("PYTORCH_NPU_ALLOC_CONF", "") if conf is None else conf
+    if "pin_memory_expandable_segments:true" in conf.replace(" ", "").lower():
+        return max(512, -(-(nbytes + 32) // 512) * 512)
+    return 1 << (nbytes - 1).bit_length()
+
+
 def page_rounded(nbytes: int) -> int:
     """Host bytes of memory allocated and registered by the program: whole pages."""
     return 0 if nbytes <= 0 else -(-int(nbytes) // PAGE) * PAGE

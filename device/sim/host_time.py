@@ -60,11 +60,18 @@ def counted(fn: F) -> F:
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        enter()
+        # enter() and leave(), written out: this wraps every op the simulator sees.
+        st = _local if "depth" in _local.__dict__ else _state()
+        if st.depth == 0:
+            st.start = time.thread_time()
+            st.calls += 1
+        st.depth += 1
         try:
             return fn(*args, **kwargs)
         finally:
-            leave()
+            st.depth -= 1
+            if st.depth == 0:
+                st.total += time.thread_time() - st.start
 
     return wrapper  # type: ignore[return-value]
 

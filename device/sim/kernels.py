@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from device.sim.tensor import SimTensor
+
 NATIVE = "native"  # an NPU kernel with CUDA's semantics
 IGNORES_SCALING = "ignores_scaling"  # an NPU kernel that drops grad_scale/found_inf
 CPU_FALLBACK = "cpu_fallback"  # no NPU kernel: torch_npu's synchronous CPU fallback
@@ -144,8 +146,6 @@ _PYTHON_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.Python) | torch._C.D
 
 def _inner(t: Any) -> Any:
     """The CPU tensor inside a SimTensor (requires_grad as the wrapper's: the choice may depend on it)."""
-    from device.sim.tensor import SimTensor
-
     if type(t) is not SimTensor:
         return t
     return t._elem.detach().requires_grad_(t.requires_grad) if t._elem.is_floating_point() else t._elem

@@ -20,6 +20,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
+# What running past a device's capacity raises, as torch.cuda does.
+OutOfMemoryError = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
+
 KB, MB = 1024, 1024 * 1024
 MIN_BLOCK = 512
 SMALL_SIZE = 1 * MB
@@ -27,6 +32,11 @@ SMALL_BUFFER = 2 * MB
 MIN_LARGE_ALLOC = 10 * MB
 LARGE_BUFFER = 20 * MB
 ROUND_LARGE = 2 * MB
+
+
+def fmt_bytes(n: float) -> str:
+    """Bytes as GiB or MiB, for messages."""
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
 
 
 def _round_up(n: int, to: int) -> int:

@@ -14,7 +14,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from device.sim.active import active
+from device.sim.active import _ACTIVE, active
 from device.sim.host_time import counted
 
 if TYPE_CHECKING:
@@ -33,7 +33,7 @@ class _SimMode(TorchDispatchMode):
     @counted
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if active() is not self.sim:  # an outer simulator while an inner one is active
+        if not _ACTIVE or _ACTIVE[-1] is not self.sim:  # an outer simulator while an inner one is active (active())
             return func(*args, **kwargs)
         if func.namespace in _UNLOCKED:
             # Collectives may block until another thread (a gloo worker, a peer rank's progress) runs:
@@ -43,7 +43,7 @@ class _SimMode(TorchDispatchMode):
                 self.sim._hold_collective(args, kwargs, out)  # Note [collective tensors at exit]
             return out
         with self.sim._lock:  # threads share the simulator's clocks, logs and memory model
-            if not self.sim.typed or torch._C._current_autograd_node() is None:
+            if torch._C._current_autograd_node() is None:
                 return self.sim._dispatch(func, types, args, kwargs)
             try:
                 return self.sim._dispatch(func, types, args, kwargs)
@@ -71,7 +71,7 @@ def _tag_outputs(out: Any, stream: SimStream) -> None:
 # torch runs the backward of accelerator tensors on a worker thread per device, and there an exception
 # that leaves a dispatch mode (a race, an out-of-memory, a device mix the simulator reports) ends the
 # process in std::terminate instead of reaching backward()'s caller (torch 2.13, Python PrivateUse1
-# backends). So while a typed simulator is active, autograd runs on the calling thread
+# backends). So while a simulator is active, autograd runs on the calling thread
 # (torch.autograd.set_multithreading_enabled(False)): the caller's current stream and host actor are the
 # backward's, as the streams of backward ops come from their forward ops anyway. And an error inside
 # the pass is kept, the op run plainly, and the error raised when backward() returns, so it still fails

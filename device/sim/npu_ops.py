@@ -22,11 +22,21 @@ import importlib.abc
 import importlib.machinery
 import sys
 import types
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 _CUDA_TO_NPU: list[bool] = []  # transfer_to_npu was imported in this process
+# Called once transfer_to_npu is imported: the torch entry points (device/sim/entry_points.py, which sits above this
+# module) present torch.cuda for the active simulator.
+_ON_CUDA_TO_NPU: list[Callable[[], None]] = []
+
+
+def on_cuda_to_npu(callback: Callable[[], None]) -> None:
+    """Call ``callback`` whenever torch_npu.contrib.transfer_to_npu is imported."""
+    if callback not in _ON_CUDA_TO_NPU:
+        _ON_CUDA_TO_NPU.append(callback)
 
 
 def cuda_to_npu() -> bool:
@@ -137,12 +147,8 @@ class _TransferToNpu(importlib.abc.Loader):
         # here such an argument names the npu device (as the cuda flavour's torch.cuda surface does).
         torch.cuda._lazy_init = lambda: None
         # ... and torch.cuda's functions and classes (torch.cuda.Stream, current_stream...) are the npu device's.
-        from device.sim import entry_points
-        from device.sim.active import active
-
-        sim = active()
-        if entry_points.routes_cuda(sim):
-            entry_points.present_cuda(sim)
+        for callback in _ON_CUDA_TO_NPU:
+            callback()
 
 
 class _Finder(importlib.abc.MetaPathFinder):

@@ -24,8 +24,6 @@ _METADATA = _packets(
     "set_", "resize_", "resize_as_", "as_strided_", "detach_", "squeeze_", "unsqueeze_", "t_", "transpose_",
     "swapdims_", "_resize_output_", "record_stream",
 )  # fmt: skip
-# Device kernels that accept host tensors (indices are moved by the framework).
-_MIXED_OK = _packets("index", "index_put", "index_put_", "_index_put_impl_", "_unsafe_index", "_unsafe_index_put")
 # Output size depends on data: the host waits for the result.
 _SYNC = _packets(
     "nonzero", "masked_select", "_unique", "_unique2", "unique_dim", "unique_consecutive", "_local_scalar_dense"
@@ -35,7 +33,6 @@ _LIKE = _packets(
     "zeros_like", "ones_like", "full_like", "rand_like", "randn_like", "randint_like", "new_zeros", "new_ones",
     "new_full",
 ) | _ALLOC_ONLY  # fmt: skip
-_LIFT_COPY = _packets("lift_fresh_copy")
 _LOCAL_SCALAR = _packets("_local_scalar_dense")
 _RESIZE = _packets("resize_")
 
@@ -50,9 +47,7 @@ class OpInfo:
     value_return: bool  # returns a Python value computed from data (.item(), equal): the host waits
     copy: bool
     alloc_only: bool
-    mixed_ok: bool
     sync: bool
-    lift_copy: bool
     local_scalar: bool
     resize: bool
 
@@ -87,9 +82,7 @@ def op_info(func: Any) -> OpInfo:
         value_return=not collective and any("Tensor" not in str(r.type) for r in returns),  # Work: no wait
         copy=packet in _COPY,
         alloc_only=packet in _ALLOC_ONLY,
-        mixed_ok=packet in _MIXED_OK,
         sync=packet in _SYNC,
-        lift_copy=packet in _LIFT_COPY,
         local_scalar=packet in _LOCAL_SCALAR,
         resize=packet in _RESIZE,
     )
@@ -110,11 +103,14 @@ def _span(t: torch.Tensor) -> int:
 
 def byte_range(t: torch.Tensor) -> tuple[int, int] | None:
     """Bytes of its storage a view can touch: [first element, last element + 1)."""
-    if t.numel() == 0:
+    numel = t.numel()
+    if numel == 0:
         return None
     itemsize = t.element_size()
     offset = t.storage_offset()
-    return offset * itemsize, (offset + _span(t)) * itemsize
+    # A contiguous view spans exactly its elements (the common case: no walk over sizes and strides).
+    span = numel if t.is_contiguous() else _span(t)
+    return offset * itemsize, (offset + span) * itemsize
 
 
 def strided_layout(t: torch.Tensor) -> tuple | None:
@@ -141,14 +137,27 @@ def arg_value(func: Any, args: tuple, kwargs: dict, name: str, default: Any = No
     return kwargs.get(name, default)
 
 
+@functools.cache
+def fresh_returns(func: Any) -> tuple[bool, ...]:
+    """Per return of `func`'s schema: whether it aliases no input (read once per op: a schema is rebuilt on
+    every access)."""
+    return tuple(ret.alias_info is None for ret in func._schema.returns)
+
+
 def new_outputs(func: Any, out: Any) -> list[torch.Tensor]:
     """Returned tensors that alias no input (dense CPU tensors only)."""
-    returns = func._schema.returns
-    values = out if isinstance(out, (tuple, list)) and len(returns) > 1 else (out,)
+    return fresh_outputs(fresh_returns(func), out)
+
+
+def fresh_outputs(fresh: tuple[bool, ...], out: Any) -> list[torch.Tensor]:
+    """new_outputs, given which returns alias no input (see fresh_returns)."""
+    if type(out) is torch.Tensor and fresh[:1] == (True,):  # the common case: one new tensor
+        return [out] if out.is_cpu and out.layout is torch.strided else []
+    values = out if isinstance(out, (tuple, list)) and len(fresh) > 1 else (out,)
     found = []
-    for ret, value in zip(returns, values):
-        if ret.alias_info is None:
-            found.extend(t for t in tensors(value) if t.device.type == "cpu" and t.layout is torch.strided)
+    for new, value in zip(fresh, values):
+        if new:
+            found.extend(t for t in tensors(value) if t.is_cpu and t.layout is torch.strided)
     return found
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from loguru import logger
 
-from device.sim.presets import SimPreset, get_preset
+from device.sim.preset_spec import SimPreset
 
 # Written into every file so that a JSON file of something else is refused with a clear message.
 FORMAT = "swapopt-sim-preset"
@@ -85,11 +85,3 @@ def load_preset(path: str | os.PathLike[str]) -> SimPreset:
         raise ValueError(f"simulator preset file {str(source)!r} does not hold a JSON object")
     return preset_from_dict(data, where=f"simulator preset file {str(source)!r}")
 
-
-def resolve_preset(preset: str | os.PathLike[str] | SimPreset) -> SimPreset:
-    """A SimPreset from a preset object, a preset name (h100, 910b) or the path of a preset file."""
-    if isinstance(preset, SimPreset):
-        return preset
-    if looks_like_path(preset):
-        return load_preset(preset)
-    return get_preset(str(preset))

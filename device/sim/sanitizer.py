@@ -163,6 +163,11 @@ class Clocks:
     def clock(self, actor: int) -> Clock:
         return self._vc[actor]
 
+    @property
+    def compacted(self) -> set[int]:
+        """Retired actors every live actor has caught up with (ordered before everything from now on)."""
+        return self._compacted
+
     def actors(self) -> list[int]:
         """Actors that can still run ops (retired ones left nothing a live actor has not seen or will)."""
         return list(self._live) + list(self._retired)
@@ -225,13 +230,22 @@ class AccessLog:
     def add(self, acc: Access, clocks: Clocks) -> None:
         """Record `acc` (already checked). An access that covers a record and follows it supersedes it when
         it is a write, or when both are reads: whatever would race with the old record races with it."""
+        records = self.records
+        if not records:
+            self.records = [acc]
+            return
+        # acc.covers(rec) and clocks.ordered(rec, acc.actor), written out: this runs for every access.
+        dense, start, end, write, actor = acc.layout is None, acc.start, acc.end, acc.write, acc.actor
+        mine, compacted = clocks.clock(actor), clocks.compacted
         kept = [
             rec
-            for rec in self.records
+            for rec in records
             if not (
-                acc.covers(rec)
-                and (acc.write or not rec.write)
-                and clocks.ordered(rec, acc.actor)
+                dense
+                and start <= rec.start
+                and rec.end <= end
+                and (write or not rec.write)
+                and (rec.actor == actor or mine.get(rec.actor, 0) >= rec.epoch or rec.actor in compacted)
             )
         ]
         kept.append(acc)

@@ -1,15 +1,20 @@
-"""Streams and events of the simulated device (the torch.cuda-like surface); their ordering effects are
-applied by the SimDevice that made them."""
+"""Streams and events of the simulated device: SimStream and SimEvent (the torch.cuda-like objects), and
+StreamOrdering, the part of SimDevice that keeps the current stream per thread and applies what streams, events,
+synchronize, threads and backward passes order (Note [streams inside a backward pass] in device/sim/modes.py)."""
 
 from __future__ import annotations
 
+import threading
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from device.sim.host_time import counted_methods
-from device.sim.sanitizer import Clock
+from device.sim.modes import _STREAM_TAG, _SimMode, _StreamTagMode
+from device.sim.sanitizer import HOST, Clock
 
 if TYPE_CHECKING:
     from device.sim.device import SimDevice
@@ -137,3 +142,208 @@ class SimEvent:
     def __repr__(self) -> str:
         state = "unrecorded" if self.time_us is None else f"at {self.time_us:.3f} us"
         return f"<sim Event {state}>"
+
+
+@counted_methods("current_stream", "default_stream", "set_stream", "synchronize")
+class StreamOrdering:
+    """SimDevice's streams: the current stream per thread (as in PyTorch), the host actor per thread, and the
+    orderings streams, events, synchronize, thread start/join and backward passes make on its vector clocks
+    (device.sim.sanitizer.Clocks) and on its timeline. Mixed into SimDevice (device/sim/device.py), whose
+    __init__ makes the state it uses: _tls, _default, _comm, _clocks, _timeline, _lock, _hazards,
+    _host_actors, _actor_names, _fresh_streams, Stream."""
+
+    # Set by SimDevice.__init__ (see the class docstring).
+    _tls: threading.local
+    _default: SimStream
+    _comm: SimStream | None
+
+    def current_stream(self, device: Any = None) -> SimStream:
+        return self._present(self._current())
+
+    def default_stream(self, device: Any = None) -> SimStream:
+        return self._present(self._default)
+
+    def _current(self) -> SimStream:
+        """The current stream object itself (the simulator's own bookkeeping compares streams by identity).
+        Inside a backward pass that is the running node's stream (Note [streams inside a backward pass])."""
+        node = torch._C._current_autograd_node()
+        if node is not None:
+            return self._node_stream(node)
+        return getattr(self._tls, "current", None) or self._default
+
+    def _thread_stream(self) -> SimStream:
+        """The stream the thread set (set_stream, stream()), whatever node a backward pass runs."""
+        return getattr(self._tls, "current", None) or self._default
+
+    def _present(self, stream: SimStream) -> SimStream:
+        return fresh_object(stream) if self._fresh_streams else stream
+
+    def set_stream(self, stream: SimStream) -> None:
+        self._tls.current = canonical(stream)
+        # Set by a hook inside a backward pass: current for the rest of that node only, as the engine's
+        # stream guard restores the node's stream when the node returns.
+        self._tls.set_in = torch._C._current_autograd_node()
+
+    @contextmanager
+    def stream(self, stream: SimStream | None) -> Iterator[SimStream | None]:
+        """Make `stream` current inside the block (None: leave the current stream alone)."""
+        if stream is None:
+            yield None
+            return
+        tls = self._tls
+        previous = getattr(tls, "current", None), getattr(tls, "set_in", None)
+        tls.current = canonical(stream)
+        tls.set_in = torch._C._current_autograd_node()
+        try:
+            yield stream
+        finally:
+            tls.current, tls.set_in = previous
+
+    @contextmanager
+    def _backward_call(self) -> Iterator[None]:
+        """Around backward() / autograd.grad: streams a hook set without restoring them end with the pass, as
+        on hardware, where the pass runs under the engine's stream guards and leaves the caller's stream be."""
+        tls = self._tls
+        saved = getattr(tls, "current", None), getattr(tls, "set_in", None)
+        # The caller's stream, which a hook's stream context inside the pass does not change.
+        callers = tls.__dict__.setdefault("callers", [])
+        callers.append(self._current())  # inside a node (a reentrant checkpoint's backward), the node's
+        try:
+            yield
+        finally:
+            callers.pop()
+            tls.current, tls.set_in = saved
+
+    def synchronize(self, device: Any = None) -> None:
+        host = self._host()
+        for actor in self._clocks.actors():
+            if actor not in self._host_actors:
+                self._clocks.merge_actor(host, actor)
+        self._timeline.wait_host(self._timeline.device_tail_us())
+        with self._lock:
+            self._drain_frees()
+            self._hazards.clear()  # every use is done: a freed block is safe to hand out again
+        self._clocks.compact()  # dropped streams the host has now seen stop costing anything
+        self._raise_pending()
+
+    def _name_actor(self, actor: int, name: str | None) -> str:
+        """Readable stream names for error messages and traces: "compute", "stream#1", ..."""
+        index = len(self._actor_names) - 1  # the host is actor 0
+        name = name or (f"stream#{index}" if index else "compute")
+        self._actor_names.append(name)
+        return name
+
+    def _record(self, event: SimEvent, stream: SimStream) -> None:
+        self._clocks.merge_actor(stream.actor, self._host())  # recording is a launch: it follows the host's past
+        event.clock = self._clocks.snapshot(stream.actor)
+        event.time_us = max(stream.tail_us, self._timeline.host_us)
+
+    def _stream_wait(self, stream: SimStream, event: SimEvent) -> None:
+        if event.clock is None:  # waiting on a never-recorded event is a no-op, as in CUDA
+            return
+        self._clocks.merge_actor(stream.actor, self._host())
+        self._clocks.merge(stream.actor, event.clock)
+        stream.tail_us = max(stream.tail_us, event.time_us)
+
+    def _host_wait(self, clock: Clock, time_us: float) -> None:
+        self._clocks.merge(self._host(), clock)
+        self._timeline.wait_host(time_us)
+
+    def _host_has_seen(self, clock: Clock) -> bool:
+        return self._clocks.has_seen(self._host(), clock)
+
+    def _query(self, clock: Clock, time_us: float) -> bool:
+        if self._timeline.host_us >= time_us:
+            self._host_wait(clock, time_us)  # observing completion orders the host after the work
+            return True
+        # Polling costs host time, so a polling loop reaches the completion time.
+        self._timeline.host_us += max(self.preset.launch_us, 1.0)
+        return False
+
+    def _host(self) -> int:
+        """The host actor of the calling thread: the main one, or a thread started while active."""
+        return getattr(self._tls, "host", HOST)
+
+    def _fork(self) -> int:
+        """A new host actor for a thread being started: it follows everything its parent did so far."""
+        parent = self._host()
+        child = self._clocks.new_actor()
+        self._host_actors.add(child)
+        self._actor_names.append(f"host thread #{child}")
+        self._clocks.merge_actor(child, parent)
+        self._clocks.tick(parent)
+        return child
+
+    @contextmanager
+    def _thread(self, actor: int) -> Iterator[None]:
+        """Run a started thread's body under this simulator, as `actor`."""
+        self._tls.host = actor
+        modes = (_SimMode(self), _StreamTagMode(self))
+        for mode in modes:
+            mode.__enter__()
+        torch._C._set_multithreading_enabled(False)  # per thread: Note [backward on the caller's thread]
+        try:
+            yield
+        finally:
+            for mode in reversed(modes):
+                mode.__exit__(None, None, None)
+            self._clocks.retire(actor)
+
+    def _joined(self, actor: int) -> None:
+        """Thread.join returned: the joining thread follows everything the joined one did."""
+        self._clocks.merge_actor(self._host(), actor)
+
+    def _op_stream(self) -> SimStream:
+        """The stream an op runs on: the thread's current one when it is issued (Note [streams inside a
+        backward pass])."""
+        node = torch._C._current_autograd_node()
+        if node is None:
+            return self._thread_stream()
+        return self._node_stream(node)
+
+    def _node_stream(self, node: Any) -> SimStream:
+        """The current stream while autograd runs `node`: the node's own, or one a hook of it made current. The
+        first time the pass is seen in a node, the node's own stream is ordered as the engine orders it."""
+        own = node.metadata.get(_STREAM_TAG) or self._default
+        tls = self._tls
+        backward = getattr(tls, "backward", None)
+        if backward is None:
+            # The first backward node follows the caller's current stream (where the incoming gradient was
+            # made); when the pass ends, the caller's stream waits for every stream it used.
+            callers = getattr(tls, "callers", None)
+            caller = callers[-1] if callers else self._thread_stream()
+            backward = tls.backward = {"caller": caller, "streams": {caller}, "last": caller, "node": None}
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        if backward["node"] is not node:
+            # The engine orders a node after the nodes that produced its inputs, before the node and its hooks
+            # run; following the previous node over-approximates that, so it never reports a race the engine
+            # prevents.
+            backward["node"] = node
+            if own is not backward["last"]:
+                own.wait_stream(backward["last"])
+                backward["last"] = own
+            backward["streams"].add(own)
+        if getattr(tls, "set_in", None) is node and tls.current is not own:
+            # A hook's own stream: ordered only by what the hook does (a wait it forgets is a race, as on
+            # hardware), and not among the streams the engine syncs the caller with at the end.
+            return tls.current
+        return own
+
+    def _end_backward(self) -> None:
+        backward = getattr(self._tls, "backward", None)
+        self._tls.backward = None
+        if backward is not None:
+            for stream in backward["streams"]:
+                if stream is not backward["caller"]:
+                    backward["caller"].wait_stream(stream)
+
+    def _comm_stream(self) -> SimStream:
+        """The stream async collectives run on (like NCCL's internal stream)."""
+        if self._comm is None:
+            self._comm = self.Stream(name="collectives")
+        return self._comm
+
+    def _host_sync_stream(self) -> None:
+        """The host waits for the current stream's queued work (a synchronous copy on it)."""
+        stream = self._current()
+        self._host_wait(self._clocks.snapshot(stream.actor), stream.tail_us)

@@ -175,8 +175,8 @@ def _check_same_device(func: Any, found: list[SimTensor], hosts: list[torch.Tens
     native_functions.yaml, which most device kernels are): one kernel reads one device; a 0-dim host tensor
     passes as a scalar (TensorIterator reads a CPU scalar on the host). Fused optimizers: check_fused_optimizer."""
     first = found[0].device
-    other = next((w.device for w in found if w.device != first), None)
-    if other is None:
+    other = next((w.device for w in found if w.device != first), None) if len(found) > 1 else None
+    if other is None and hosts:
         other = next((h.device for h in hosts if h.dim() > 0 and h.layout is torch.strided), None)
     if other is not None:
         raise RuntimeError(

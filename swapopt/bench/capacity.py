@@ -1,13 +1,18 @@
 """The largest model the engine's LM trains on one device and its host: ``python -m swapopt.bench.capacity``.
 
-Three ways of holding AdamW, by arithmetic over the device's and the host's capacity (a simulator preset's, or
+Four ways of holding AdamW, by arithmetic over the device's and the host's capacity (a simulator preset's, or
 given), never by allocating (docs/optimizer.md, "Host memory", spells it out):
 
 - ``resident``: fp32 params, grads and both moments in device memory (16 B/param), nothing on the host;
 - ``swapped``: fp32 params and grads on the device (8 B/param), the moments in pinned host memory (8 B/param),
   streamed through ``slots`` + 1 staging chunks of 1/``times`` of them;
 - ``masters``: bf16 params and grads on the device (4 B/param), fp32 masters and moments on the host
-  (12 B/param), each chunk's slot also holding its grads upcast to fp32 (16 B/param of the chunk in all).
+  (12 B/param), each chunk's slot also holding its grads upcast to fp32 (16 B/param of the chunk in all);
+- ``masters-8bit``: as ``masters`` with torchao's ``AdamW8bit`` moments (``torchao.optim``): each moment is
+  a uint8 code a param plus an fp32 scale per block of 256 (``OptimState8bit.zeros`` in
+  torchao/optim/subclass_8bit.py; ``block_size=256`` is AdamW8bit's default in torchao/optim/adam.py, torchao
+  0.18), 2 x (1 + 4/256) = 2.03 B/param for the two, so 4 + 2.03 = 6.03 B/param on the host (the 256-entry
+  fp32 code table of each state tensor, 1 KiB, is left out).
 
 On top of that the device holds one step's activations (the engine's gradient checkpointing: one saved input
 a block, one block's recompute, fp32 logits and their grad) and ``DEVICE_RESERVE`` for the CUDA context and
@@ -26,8 +31,11 @@ from typing import Literal
 
 GiB = 1 << 30
 MiB = 1 << 20
-MODES: tuple[str, ...] = ("resident", "swapped", "masters")
-Mode = Literal["resident", "swapped", "masters"]
+MODES: tuple[str, ...] = ("resident", "swapped", "masters", "masters-8bit")
+Mode = Literal["resident", "swapped", "masters", "masters-8bit"]
+BLOCK_8BIT = 256  # torchao AdamW8bit's default block_size: one fp32 scale per 256 codes
+# Bytes of AdamW8bit's two moments per BLOCK_8BIT params: a uint8 code a param and a 4-byte scale a block, each.
+MOMENTS_8BIT_PER_BLOCK = 2 * (BLOCK_8BIT + 4)
 DEVICE_RESERVE = 2 * GiB  # CUDA context, cuBLAS workspaces, allocator fragmentation: assumed
 HOST_RESERVE = 4 * GiB  # the interpreter, torch, CUDA's host side, the data loader: assumed
 ASPECT = 256  # the widest a searched model may be per layer (dim / n_layers)
@@ -76,16 +84,19 @@ def need(
     ffn = ffn_dim or ffn_for(dim)
     n = lm_params(dim, n_layers, ffn)
     if mode == "resident":
-        dev_per, pinned, slot_per, itemsize = 16, 0, 0, 4
+        dev_per, pinned, slot_bytes, itemsize = 16, 0, 0, 4
     elif mode == "swapped":
-        dev_per, pinned, slot_per, itemsize = 8, 8 * n, 8, 4
+        dev_per, pinned, slot_bytes, itemsize = 8, 8 * n, 8 * n, 4
     elif mode == "masters":
-        dev_per, pinned, slot_per, itemsize = 4, 12 * n, 16, 2
+        dev_per, pinned, slot_bytes, itemsize = 4, 12 * n, 16 * n, 2
+    elif mode == "masters-8bit":  # the master and the 8-bit moments; the slot also holds the grad upcast to fp32
+        moments = -(-n * MOMENTS_8BIT_PER_BLOCK // BLOCK_8BIT)
+        dev_per, pinned, slot_bytes, itemsize = 4, 4 * n + moments, 8 * n + moments, 2
     else:
         raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
     # the largest chunk: 1/times of the swapped bytes, or the largest param's if one param is bigger (the
     # planner splits element-wise params across chunks, so it is not)
-    staging = (slots + 1) * -(-slot_per * n // times) if pinned else 0
+    staging = (slots + 1) * -(-slot_bytes // times) if pinned else 0
     device_bytes = dev_per * n + staging + activation_bytes(dim, n_layers, ffn, tokens, itemsize) + DEVICE_RESERVE
     host_bytes = (int(1.02 * pinned) + 256 * MiB if pinned else 0) + HOST_RESERVE
     return device_bytes, host_bytes, pinned

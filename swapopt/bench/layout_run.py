@@ -45,7 +45,8 @@ class LayoutRow(BaseModel):
     chunks: int | None = None
     step_ms: float | None = None
     ratio: float | None = None  # step_ms / bound_ms
-    floor_ratio: float | None = None  # step_ms / the layout's floor_ms
+    floor_ratio: float | None = None  # step_ms / floor_ms (the row's own, else the layout's)
+    floor_ms: float | None = None  # the link floor at this row's copy size (swapopt rows; None in older results)
     aten_ops: int | None = None
     launches: int | None = None
     launch_target: int | None = None  # (resident launches + 3) x chunks + 8, swapopt rows only
@@ -60,6 +61,10 @@ class LayoutRow(BaseModel):
     # part of host_ms that carries over to a GPU or NPU.
     python_ms: float | None = None
     host_ratio: float | None = None  # python_ms / the resident row's python_ms
+    # The host budget of a swapped step: HOST_CHUNK_US per chunk plus HOST_TENSOR_US per tensor, and python_ms
+    # against it (swapopt rows)
+    python_limit_ms: float | None = None
+    python_over_limit: float | None = None
     extra_host_us_per_param: float | None = None  # (python_ms - the resident row's) per tensor, in us
     peak_extra_bytes: int | None = None
     chunk_bytes: int | None = None
@@ -188,6 +193,9 @@ def run_layout(
     resident_ms = resident.step_ms if resident else None
     bound = bound_ms(state_bytes, state_bytes, bandwidth, resident_ms or 0.0)
     floor, rule = link_floor_ms(state_bytes, state_bytes, bandwidth)
+    for r in rows:  # the floor at the row's own copy size: a sized link moves small copies at lower rates
+        if r.kind == "swapopt" and r.chunk_bytes:
+            r.floor_ms = link_floor_ms(state_bytes, state_bytes, bandwidth, r.chunk_bytes)[0]
     return derive(LayoutResult(
         layout=shape.name, source=shape.source, scale=shape.scale, tensors=shape.count, numel=shape.numel,
         state_bytes=state_bytes, bandwidth=bandwidth, resident_ms=resident_ms, bound_ms=bound, rows=rows,
@@ -195,14 +203,17 @@ def run_layout(
     ))
 
 
-def link_floor_ms(h2d_bytes: int, d2h_bytes: int, bw: Bandwidth) -> tuple[float, str | None]:
+def link_floor_ms(
+    h2d_bytes: int, d2h_bytes: int, bw: Bandwidth, copy_bytes: int | None = None
+) -> tuple[float, str | None]:
     """The least time these bytes can cross the link (Note [link sharing] in device/sim/presets.py) and the
-    sharing rule it assumes: on the simulator its preset's, under the preset's rule; on a device, from the
+    sharing rule it assumes: on the simulator its preset's, under the preset's rule, for copies of
+    ``copy_bytes`` (a sized link's rates depend on it; None: the least over its sizes); on a device, from the
     measured rates (both directions' bytes through the most they moved together, no less than either alone
     at its own rate), which assumes a link that lets the two split that evenly (rule None)."""
     preset = getattr(device.get_torch_device_module(), "preset", None)
     if isinstance(preset, SimPreset):
-        return preset.link_floor_us(h2d_bytes, d2h_bytes) / 1e3, preset.link_sharing
+        return preset.link_floor_us(h2d_bytes, d2h_bytes, copy_bytes) / 1e3, preset.link_sharing
     both = (bw.h2d_both + bw.d2h_both) * 1e6  # bytes per ms
     alone = max(h2d_bytes / (bw.h2d_alone * 1e6), d2h_bytes / (bw.d2h_alone * 1e6))
     return max(alone, (h2d_bytes + d2h_bytes) / both), None
@@ -215,7 +226,12 @@ def derive(res: LayoutResult) -> LayoutResult:
     for r in res.rows:
         if r.step_ms is not None:
             r.ratio = r.step_ms / res.bound_ms
-            r.floor_ratio = r.step_ms / res.floor_ms if res.floor_ms else None
+            floor = r.floor_ms or res.floor_ms
+            r.floor_ratio = r.step_ms / floor if floor else None
+        if r.kind == "swapopt" and r.chunks is not None:
+            r.python_limit_ms = (HOST_CHUNK_US * r.chunks + HOST_TENSOR_US * res.tensors) / 1e3
+            if r.python_ms is not None:
+                r.python_over_limit = r.python_ms / r.python_limit_ms
         if r.kind != "swapopt" or resident is None:
             continue
         if resident.launches is not None and r.chunks is not None:
@@ -232,6 +248,8 @@ RATIO_TARGETS = {16: 1.10, 64: 1.03}
 TINY_RATIO_TARGET = 2.0
 FLOOR_TARGET = 1.05  # step / link floor, for every layout but the launch-bound tiny one
 HOST_US_PER_PARAM_TARGET = 5.0
+# The host budget of a swapped step, whatever its layout: Python and launches per chunk, and per tensor.
+HOST_CHUNK_US, HOST_TENSOR_US = 60.0, 2.0
 
 
 def layout_targets(res: LayoutResult) -> list[str]:
@@ -248,6 +266,10 @@ def layout_targets(res: LayoutResult) -> list[str]:
             checks.append(("step / floor", f"{r.floor_ratio:.3f} <= {FLOOR_TARGET}", r.floor_ratio <= FLOOR_TARGET))
         if r.launch_target is not None:
             checks.append(("launches", f"{r.launches:,} <= {r.launch_target:,}", r.launches <= r.launch_target))
+        if r.python_limit_ms is not None and r.python_ms is not None:
+            text = (f"{r.python_ms:.1f} <= {r.python_limit_ms:.2f} ms ({HOST_CHUNK_US:g} us x chunks "
+                    f"+ {HOST_TENSOR_US:g} us x tensors)")
+            checks.append(("Python", text, r.python_ms <= r.python_limit_ms))
         if r.extra_host_us_per_param is not None:
             us = r.extra_host_us_per_param
             checks.append(("host", f"{us:.1f} <= {HOST_US_PER_PARAM_TARGET} us/param", us <= HOST_US_PER_PARAM_TARGET))
@@ -280,7 +302,8 @@ def layouts_markdown(results: Sequence[LayoutResult]) -> str:
         "on the simulator (whose copies and kernels run on the host), less the time inside launched ops; "
         "it still includes the simulator's own per-op accounting. Python ms is the counted step's CPU time "
         "outside every aten op (the Python that issues the ops, which carries over to a device); extra host "
-        "us/param = (Python ms - resident's) / tensors. Cap = (slots + 1) x chunk."
+        "us/param = (Python ms - resident's) / tensors; Python limit = 60 us x chunks + 2 us x tensors. "
+        "Step / floor: against the link floor at the row's own copy size. Cap = (slots + 1) x chunk."
     )
     out.append("")
     for res in results:
@@ -300,10 +323,10 @@ def layouts_markdown(results: Sequence[LayoutResult]) -> str:
         out.append("")
         out.append(
             "| strategy | chunks | step ms | step / bound | step / floor | launches | target | H2D copies | D2H copies | "
-            "aten ops | host CPU ms | own host ms | Python ms | Python / resident | extra host us/param | "
-            "peak extra MiB | cap MiB | pinned MiB | state MiB |"
+            "aten ops | host CPU ms | own host ms | Python ms | Python limit ms | Python / limit | Python / resident | "
+            "extra host us/param | peak extra MiB | cap MiB | pinned MiB | state MiB |"
         )
-        out.append("|" + "---|" * 19)
+        out.append("|" + "---|" * 21)
         for r in res.rows:
             state = _mib(res.state_bytes) if r.kind == "swapopt" else "-"
             out.append(
@@ -312,6 +335,7 @@ def layouts_markdown(results: Sequence[LayoutResult]) -> str:
                 f"{_num(r.launches)} | "
                 f"{_num(r.launch_target)} | {_num(r.h2d_copies)} | {_num(r.d2h_copies)} | {_num(r.aten_ops)} | "
                 f"{_num(r.cpu_ms, '{:.1f}')} | {_num(r.host_ms, '{:.1f}')} | {_num(r.python_ms, '{:.1f}')} | "
+                f"{_num(r.python_limit_ms, '{:.2f}')} | {_num(r.python_over_limit, '{:.1f}')} | "
                 f"{_num(r.host_ratio, '{:.1f}')} | "
                 f"{_num(r.extra_host_us_per_param, '{:.1f}')} | {_mib(r.peak_extra_bytes)} | {_mib(r.cap_bytes)} | "
                 f"{_mib(r.pinned_bytes)} | {state} |"

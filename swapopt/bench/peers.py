@@ -55,6 +55,8 @@ import torch
 from pydantic import BaseModel
 
 import device
+from swapopt.bench import torchao_peer
+from swapopt.bench.torchao_peer import short_reason as _reason
 
 LR, BETAS, EPS, WEIGHT_DECAY = 3e-3, (0.9, 0.95), 1e-8, 0.1
 MB = 1 << 20
@@ -96,11 +98,6 @@ MODERATE = Size(dim=512, n_layers=4, n_heads=8, batch=8, seq_len=128, warmup=2, 
 
 def _mod() -> Any:
     return device.get_torch_device_module()
-
-
-def _reason(err: BaseException) -> str:
-    text = f"{type(err).__name__}: {err}".strip()
-    return text if len(text) <= 400 else text[:397] + "..."
 
 
 def _adamw(params: Any) -> torch.optim.AdamW:
@@ -272,39 +269,12 @@ def _xtuner(params: list[torch.nn.Parameter], size: Size, fused: bool | None = N
                 notes=[f"XTuner SwapAdamW({how}) from {where}"])
 
 
-def torchao_offload() -> tuple[type | None, str | None]:
-    try:
-        from torchao.optim import CPUOffloadOptimizer
-    except Exception as err:  # noqa: BLE001 - not installed, or built for another torch
-        return None, f"torchao is not importable (pip install torchao): {_reason(err)}"
-    return CPUOffloadOptimizer, None
-
-
-@contextlib.contextmanager
-def _torchao_on_simulator() -> Iterator[list[str]]:
-    """What torchao needs to run on the simulator, and nothing on a real device: torchao picks its device from
-    ``torch.cuda.is_available()``, which the simulator keeps False (no tensor is cuda-typed) while it presents
-    the rest of torch.cuda (streams, events, synchronize), so name cuda for it."""
-    notes: list[str] = []
-    if not device.is_simulated():
-        yield notes
-        return
-    import torchao.optim.cpu_offload as cpu_offload
-
-    saved_devices = cpu_offload.get_available_devices
-    cpu_offload.get_available_devices = lambda: ["cpu", "cuda"]
-    try:
-        yield notes
-    finally:
-        cpu_offload.get_available_devices = saved_devices
-
-
 def _torchao(params: list[torch.nn.Parameter], size: Size) -> Peer:
-    cls, why = torchao_offload()
+    cls, why = torchao_peer.offload_class()
     if cls is None:
         raise _Unavailable(why or "torchao missing")
     stack = contextlib.ExitStack()
-    notes = stack.enter_context(_torchao_on_simulator())
+    notes = stack.enter_context(torchao_peer.on_simulator())
     try:
         opt = cls(params, torch.optim.AdamW, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, fused=True)
     except BaseException:

@@ -95,7 +95,7 @@ def _plan(cfg: BenchConfig) -> list[tuple[str, int, int]]:
         plan += [("resident", 0, 0)]
     if "swapopt" in wanted:
         plan += [("swapopt", t, s) for t in cfg.times for s in cfg.slots]
-    for kind in ("serial", "whole", "host-step"):
+    for kind in ("swapopt-auto-25", "swapopt-auto-75", "serial", "whole", "host-step"):
         if kind in wanted:
             plan.append((kind, 0, 0))
     if "one-in-flight" in wanted:

@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict
 from torch.optim.adamw import adamw as adamw_functional
 
 import device
+from swapopt.bench import torchao_peer
 
 Impl = Literal["foreach", "fused"]
 STATE_KEYS = ("exp_avg", "exp_avg_sq")
@@ -249,6 +250,50 @@ class SwapOpt:
         self.opt.state.clear()
 
 
+class SwapOptAuto(SwapOpt):
+    """swapopt with ``resident_mb="auto"`` on a device that has ``spare`` x the state bytes free beyond the params,
+    grads and the step's staging: the process's memory is capped for the row with
+    ``set_per_process_memory_fraction`` (as a job sharing its device is), which auto honours; the states that
+    fit stay resident and the link moves the others only (Note [resident auto] in swapopt.resident_auto)."""
+
+    reproduces = "swapopt, resident_mb='auto': what the spare device memory holds stays resident"
+
+    def __init__(self, params: Sequence[torch.Tensor], spec: AdamWSpec, times: int = 16, slots: int = 3,
+                 spare: float = 0.25):
+        from swapopt import SwapOptimizer
+        from swapopt.resident_auto import CHUNK_SLACK
+
+        self.label = f"swapopt auto, {spare:.0%} of the states spare, t={times} s={slots}"
+        self.times, self.slots = times, slots
+        self.params, self.spec = list(params), spec
+        mod, dev = _mod(), self.params[0].device
+        n = state_bytes(self.params, spec)
+        staging = (slots + 1) * -(-int(CHUNK_SLACK * n) // times)
+        # what auto's forward/step term needs now, plus the spare; auto keeps 0.9 of the spare less 1% of this
+        usable = mod.memory_allocated(dev) + staging + int(spare * n)
+        total = mod.mem_get_info(dev)[1]
+        self._restore: float | None = None
+        if hasattr(mod, "set_per_process_memory_fraction") and usable < total:
+            get = getattr(mod, "get_per_process_memory_fraction", None)
+            self._restore = float(get(dev)) if get is not None else 1.0
+            mod.set_per_process_memory_fraction(usable / total, dev)
+        else:
+            self.label += " (device not capped)"
+        mod.reset_peak_memory_stats(dev)  # the rows before this one must not count as this job's peak
+        self.opt = SwapOptimizer(spec.make(params), swap_optimizer_times=times, slots=slots, resident_mb="auto")
+
+    def moves(self) -> tuple[int, int]:
+        from swapopt.resident_auto import device_state_bytes
+
+        n = state_bytes(self.params, self.spec) - device_state_bytes(self.opt.state, self.params)
+        return n, n
+
+    def close(self) -> None:
+        super().close()
+        if self._restore is not None:
+            _mod().set_per_process_memory_fraction(self._restore, self.params[0].device)
+
+
 class SerialSwap(_HostStateStrategy):
     """XTuner SwapAdamW's schedule: per param, swap in, update, swap out, all on the caller's
     stream; one device synchronize at the end of the step."""
@@ -445,9 +490,7 @@ def torchao_offload_class():
     runs on as on a GPU: swapopt.bench.peers) is absent."""
     if device.get_device() != "cuda":  # the simulator's cuda flavour presents cuda
         return None
-    from swapopt.bench.peers import torchao_offload
-
-    return torchao_offload()[0]
+    return torchao_peer.offload_class()[0]
 
 
 class TorchaoOffload:
@@ -466,8 +509,6 @@ class TorchaoOffload:
     def __init__(self, params: Sequence[torch.Tensor], spec: AdamWSpec):
         import contextlib
 
-        from swapopt.bench.peers import _torchao_on_simulator
-
         cls = torchao_offload_class()
         if cls is None:
             raise RuntimeError("torchao CPUOffloadOptimizer needs torchao and a CUDA device (or the simulator)")
@@ -476,7 +517,7 @@ class TorchaoOffload:
         self.leaves = [p.detach().requires_grad_(True) for p in self.params]
         self.grads = [p.grad for p in self.params]  # the benchmark's fixed grads, handed over each step
         self._stack = contextlib.ExitStack()
-        self._stack.enter_context(_torchao_on_simulator())
+        self._stack.enter_context(torchao_peer.on_simulator())
         try:
             self.opt = cls(
                 self.leaves, torch.optim.AdamW, fused=True,
@@ -519,6 +560,8 @@ class TorchaoOffload:
 STRATEGY_DOCS: dict[str, str] = {
     "resident": Resident.reproduces,
     "swapopt": SwapOpt.reproduces,
+    "swapopt-auto-25": SwapOptAuto.reproduces,
+    "swapopt-auto-75": SwapOptAuto.reproduces,
     "serial": SerialSwap.reproduces,
     "one-in-flight": OneInFlightSwap.reproduces,
     "whole": WholeSwap.reproduces,
@@ -542,6 +585,8 @@ def make_strategy(
         return Resident(params, spec)
     if kind == "swapopt":
         return SwapOpt(params, spec, times=times, slots=slots)
+    if kind.startswith("swapopt-auto-"):  # two free-memory levels: 25% and 75% of the state bytes spare
+        return SwapOptAuto(params, spec, times=times, slots=slots, spare=int(kind.rsplit("-", 1)[1]) / 100)
     if kind == "serial":
         return SerialSwap(params, spec)
     if kind == "one-in-flight":

@@ -72,7 +72,8 @@ class AdamWConfig(SwapConfig):
 
     ``type`` names any ``torch.optim`` optimizer; its constructor gets the keys below that it accepts.
     The swap knobs (``swap_optimizer``, ``swap_optimizer_times``, ``chunk_mb``, ``slots``,
-    ``resident_mb``, ``overlap_forward``, ``prefetch``) are inherited from :class:`swapopt.SwapConfig`.
+    ``resident_mb``, ``overlap_forward``, ``prefetch``) are inherited from :class:`swapopt.SwapConfig`
+    (``resident_mb: auto`` keeps what the device's spare memory holds resident, measured at each step).
 
     ``overlap_forward`` (default False; only with ``swap_optimizer=True``): the optimizer's updates run on
     their own stream, in forward order, and each module's forward waits only for its own params, so the

@@ -309,7 +309,8 @@ def local_world_size() -> int:
 
 def pinned_host_bytes(cfg: EngineConfig, n_params: int, local_world: int = 1, world: int | None = None) -> tuple[int, int]:
     """(pinned bytes, of which fp32 masters) the ranks on this host keep for ``cfg``'s swapped optimizer: each
-    rank its 1/world share of the params' AdamW moments (and masters), less ``resident_mb`` (swapopt.hostmem)."""
+    rank its 1/world share of the params' AdamW moments (and masters), less a fixed ``resident_mb`` (swapopt.hostmem;
+    ``"auto"`` keeps nothing off the host for sure)."""
     from swapopt import hostmem
 
     o = cfg.optim
@@ -317,7 +318,7 @@ def pinned_host_bytes(cfg: EngineConfig, n_params: int, local_world: int = 1, wo
         return 0, 0
     world = world or max(1, int(os.environ.get("WORLD_SIZE", "1")))
     dtype = getattr(torch, cfg.model.dtype)
-    resident = int(o.resident_mb * 2**20) if isinstance(o.resident_mb, (int, float)) else 0
+    resident = hostmem.resident_bytes_of(o.resident_mb)  # "auto": none for sure (its share may shrink)
     total, masters = hostmem.job_host_bytes(n_params, dtype, o.master_weights, world, resident)
     return local_world * total, local_world * masters
 

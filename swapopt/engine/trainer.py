@@ -54,7 +54,7 @@ def init_distributed(device_type: str) -> tuple[int, int]:
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         simulated = device.is_simulated()
         module = device.get_torch_device_module()
-        if (device_type in _BACKENDS and not simulated) or getattr(module, "typed", False):
+        if device_type in _BACKENDS or simulated:
             module.set_device(local_rank)
         dist.init_process_group("gloo" if simulated else _BACKENDS.get(device_type, "gloo"))
     if dist.is_initialized():

@@ -31,7 +31,7 @@ import torch
 from loguru import logger
 
 import device
-from swapopt.copying import pinned_copy
+from swapopt.hoststate import pinned_copy
 from swapopt.optimizer import SwapOptimizer
 
 try:

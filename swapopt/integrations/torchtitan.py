@@ -32,7 +32,8 @@ from typing import Any
 
 import torch
 
-from swapopt.config import KNOBS, SwapConfig, SwapSettings, settings_from
+from swapopt.config import KNOBS, SwapSettings, settings_from
+from swapopt.switch import SwapConfig
 from swapopt.hoststate import ELEMENTWISE
 from swapopt.optimizer import SwapOptimizer
 

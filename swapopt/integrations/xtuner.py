@@ -46,7 +46,7 @@ from loguru import logger
 from pydantic import BaseModel, ConfigDict
 from pydantic.fields import FieldInfo
 
-from swapopt.config import SwapConfig
+from swapopt.switch import SwapConfig
 from swapopt.offload import offload as _offload, onload as _onload
 from swapopt.optimizer import SwapOptimizer
 

@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
                       "SWAPOPT_DEVICE")
     try:
         if args.sim:
-            from device.sim.preset_file import resolve_preset
+            from device.sim.presets import resolve_preset
 
             resolve_preset(args.sim)  # an unknown name or a bad file fails here, before anything runs
         kind = device.get_device()

@@ -88,12 +88,19 @@ def _time_limit(seconds: float | None) -> Iterator[None]:
         yield
         return
 
+    armed = True
+
     def stop(signum: int, frame: Any) -> None:
+        if not armed:
+            return
         if _sim_holds_signals():
             # Try again soon: the simulator's held regions (a backward pass) can take most of a phase's time,
             # and a retry that lands in one more region would let the phase run on.
             signal.setitimer(signal.ITIMER_REAL, 0.002)
             return
+        # Armed again before raising: a stop that lands in a finalizer or a weakref callback is swallowed by
+        # the interpreter ("Exception ignored in ..."), and the phase must still stop at the next tick.
+        signal.setitimer(signal.ITIMER_REAL, 0.02)
         raise PhaseStopped
 
     previous = signal.signal(signal.SIGALRM, stop)
@@ -101,6 +108,7 @@ def _time_limit(seconds: float | None) -> Iterator[None]:
     try:
         yield
     finally:
+        armed = False
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
 
@@ -155,7 +163,7 @@ def _measured_side(options: VerifyOptions) -> contextlib.AbstractContextManager[
     if not options.dry_run:
         return contextlib.nullcontext()
     from device import sim
-    from device.sim.preset_file import resolve_preset
+    from device.sim.presets import resolve_preset
 
     return sim.activate(resolve_preset(options.sim or "h100"), sanitize=False)
 
@@ -178,7 +186,8 @@ def _env_takes_path(path: Path) -> bool:
 def _calibrate(report: VerifyReport, plan: VerifyPlan, options: VerifyOptions, kind: str, label: str, now: datetime,
                preset_path: Path, advance: Callable[[], None]) -> None:
     """The calibration probes, and the preset they make written to `preset_path` (checked to load back)."""
-    from device.sim.preset_file import load_preset, resolve_preset, save_preset
+    from device.sim.preset_file import load_preset, save_preset
+    from device.sim.presets import resolve_preset
 
     report.calibration = measure(plan.calibration, label, progress=advance)
     base = resolve_preset(options.sim or "h100") if options.dry_run else resolve_preset(BASE_PRESETS[kind])
@@ -422,7 +431,8 @@ def plan_of(report: VerifyReport) -> VerifyPlan:
 def modeled_preset(report: VerifyReport, report_path: Path, preset: str | None, workdir: Path) -> tuple[Path, str]:
     """The preset file the modeled side runs with, and what it is: `preset` (a name or file) when given; else the
     preset the report's calibration wrote (kept in the report); else its file; else the stock h100 preset."""
-    from device.sim.preset_file import FORMAT, preset_from_dict, resolve_preset, save_preset
+    from device.sim.preset_file import FORMAT, preset_from_dict, save_preset
+    from device.sim.presets import resolve_preset
 
     target = workdir / "preset.json"
     if preset is not None:

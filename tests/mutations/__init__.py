@@ -202,6 +202,25 @@ def _nothing_resident(mp: pytest.MonkeyPatch) -> None:
 
 
 @mutation(
+    "resident-auto-margin",
+    "resident_mb='auto' keeps the spare memory's states less a margin, so the next forward does not run out of memory",
+    "tests/test_resident_auto.py::test_tight_device_the_next_forward_does_not_run_out_of_memory",
+)
+def _auto_without_margin(mp: pytest.MonkeyPatch) -> None:
+    auto = importlib.import_module("swapopt.resident_auto")
+    mp.setattr(auto, "budget_bytes", lambda reading, fraction: reading.available)
+
+
+@mutation(
+    "resident-auto-replan",
+    "resident_mb='auto' re-plans when free memory changes by more than 10%",
+    "tests/test_resident_auto.py::test_a_change_of_free_memory_past_ten_percent_replans_and_below_does_not",
+)
+def _auto_never_replans(mp: pytest.MonkeyPatch) -> None:
+    mp.setattr(importlib.import_module("swapopt.resident_auto"), "REPLAN_CHANGE", float("inf"))
+
+
+@mutation(
     "overlap-forward-waits",
     "with overlap_forward, each module's forward waits for its own params' update (bitwise the same results)",
     "tests/test_overlap.py::test_losses_and_params_bitwise_equal_on_and_off[fused-plain]",
@@ -244,10 +263,10 @@ def _every_chunk_staged_at_once(mp: pytest.MonkeyPatch) -> None:
     "tests/test_parity_groups.py::test_chunk_of_several_groups_is_bitwise[sgd_momentum-split]",
 )
 def _one_group_per_chunk(mp: pytest.MonkeyPatch) -> None:
-    # swapopt.pipeline.run_groups hands the inner optimizer the chunk's share of each group: merge them into
+    # swapopt.inner.run_groups hands the inner optimizer the chunk's share of each group: merge them into
     # the first group's copy, whose hyperparameters then step every param of the chunk
-    pipeline = importlib.import_module("swapopt.pipeline")
-    run_groups = pipeline.run_groups
+    inner = importlib.import_module("swapopt.inner")
+    run_groups = inner.run_groups
 
     def merged(owner, order, groups, *rest):
         if len(groups) > 1:
@@ -255,7 +274,7 @@ def _one_group_per_chunk(mp: pytest.MonkeyPatch) -> None:
             order = order[:1]
         return run_groups(owner, order, groups, *rest)
 
-    mp.setattr(pipeline, "run_groups", merged)
+    mp.setattr(inner, "run_groups", merged)
 
 
 # ----- master weights (Note [master weights], swapopt.masters) -------------------------------------------
