@@ -18,7 +18,7 @@ import torch
 from loguru import logger
 
 import device
-from swapopt import hostmem, hoststate, perparam
+from swapopt import flat as flat_update, hostmem, hoststate, perparam
 from swapopt.arena import Arenas, Run, arena_limit, itemsize, pack
 from swapopt.context import StepContext
 from swapopt.hoststate import is_swapped_state, local, new_host_like, wrap_like
@@ -50,16 +50,6 @@ class _ToCome:
 
     param: torch.Tensor
     dtype: torch.dtype
-
-
-def _key_order(entries: Any) -> list[str]:
-    """The state keys of ``entries`` (Host entries or key sequences; None skipped), each once, in the order
-    they first appear: the order a chunk's states are laid out in, key by key."""
-    seen: dict[str, None] = {}
-    for entry in entries:
-        if entry is not None:
-            seen.update(dict.fromkeys(entry.keys if isinstance(entry, Host) else entry))
-    return list(seen)
 
 
 def _by_key(items: list, keys: list[str] | None = None) -> list:
@@ -557,7 +547,8 @@ class HostLayout:
                     for key, stored, loc in zip(entry.keys, entry.stored, entry.locals):
                         if loc.numel() and hoststate.is_dense(loc):
                             want.append((p, key, stored))
-            _by_key(want)
+            if flat_update.ENABLED:
+                _by_key(want)
             if any(isinstance(s, _ToCome) for _, _, s in want) or not self.packed([local(s) for _, _, s in want]):
                 moves.append(want)
         if not moves:
@@ -694,8 +685,9 @@ class HostLayout:
                 for key, dtype, _ in probed[1]:
                     placed.append((p, key, dtype))
                     sizes.append((loc.numel() * itemsize(dtype), itemsize(dtype)))
-            order = _by_key(list(range(len(placed))), [key for _, key, _ in placed])
-            placed, sizes = [placed[i] for i in order], [sizes[i] for i in order]
+            if flat_update.ENABLED:
+                order = _by_key(list(range(len(placed))), [key for _, key, _ in placed])
+                placed, sizes = [placed[i] for i in order], [sizes[i] for i in order]
             for members, offsets, size in pack(sizes, self.arena_limit):
                 self.place([(*placed[i], offset) for i, offset in zip(members, offsets)], size, out)
         self.arenas.pin_pending()
@@ -726,25 +718,27 @@ class HostLayout:
             regions.append(r)
             offset = -(-(r.offset + r.nbytes) // _SLOT_ALIGN) * _SLOT_ALIGN
 
-        # Key by key (Note [flat chunk update] in swapopt.flat): every piece's first state, then every piece's
-        # second, ..., as relayout and preallocate pack the arenas, so each state key of a chunk is one
-        # stretch of the slot and the chunk still moves in one run where its arena is contiguous.
-        for key in _key_order(self.host.get(params[pc.index]) for pc in pieces):
-            for pos, piece in enumerate(pieces):
-                entry = self.host.get(params[piece.index])
-                if entry is None or key not in entry.keys:
-                    continue
-                j = entry.keys.index(key)
-                stored, loc = entry.stored[j], entry.locals[j]
-                if flat[piece.index]:
-                    host = hoststate.flat_view(loc)[piece.start : piece.stop]
-                    shape, stride, layout = None, None, None
-                else:
-                    host = loc
-                    shape, stride = tuple(loc.shape), tuple(loc.stride())
-                    layout = stored if hoststate.is_dtensor(stored) else None
-                nbytes = host.numel() * host.element_size()
-                add(Region(pos, key, offset, nbytes, host.dtype, shape, host, layout, stride))
+        # Piece by piece, or with the flat update on key by key (Note [flat chunk update] in swapopt.flat):
+        # every piece's first state, then every piece's second, ...; either way as relayout and preallocate
+        # pack the arenas, so the chunk moves in one run where its arena is contiguous. Key by key is not the
+        # default because a re-layout then empties no old arena until late (each new arena gathers one key
+        # from all of them), which holds more host memory at once (Note [arena memory]).
+        entries = [self.host.get(params[pc.index]) for pc in pieces]
+        todo = [(pos, j) for pos, entry in enumerate(entries) if entry is not None for j in range(len(entry.keys))]
+        if flat_update.ENABLED:
+            _by_key(todo, [entries[pos].keys[j] for pos, j in todo])
+        for pos, j in todo:
+            piece, entry = pieces[pos], entries[pos]
+            key, stored, loc = entry.keys[j], entry.stored[j], entry.locals[j]
+            if flat[piece.index]:
+                host = hoststate.flat_view(loc)[piece.start : piece.stop]
+                shape, stride, layout = None, None, None
+            else:
+                host = loc
+                shape, stride = tuple(loc.shape), tuple(loc.stride())
+                layout = stored if hoststate.is_dtensor(stored) else None
+            nbytes = host.numel() * host.element_size()
+            add(Region(pos, key, offset, nbytes, host.dtype, shape, host, layout, stride))
         for pos, piece in enumerate(pieces):
             p = params[piece.index]
             if upcast[piece.index]:  # flat like the piece, or shaped and laid out like the whole param

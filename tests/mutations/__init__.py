@@ -185,9 +185,9 @@ def _collective_tensors_not_held(mp: pytest.MonkeyPatch) -> None:
     "tests/test_offload.py::test_offload_empty_cache_returns_the_cached_segments_to_the_device",
 )
 def _offload_keeps_the_cache(mp: pytest.MonkeyPatch) -> None:
-    offload = importlib.import_module("swapopt.offload")  # the package exports a function of that name
-    call = offload._device_call
-    mp.setattr(offload, "_device_call", lambda name: None if name == "empty_cache" else call(name))
+    eviction = importlib.import_module("swapopt.eviction")
+    call = eviction.device_call
+    mp.setattr(eviction, "device_call", lambda name: None if name == "empty_cache" else call(name))
 
 
 @mutation(
