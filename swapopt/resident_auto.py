@@ -64,6 +64,9 @@ from typing import Any
 import torch
 from loguru import logger
 
+import device
+from swapopt.hoststate import local
+
 MiB = 1 << 20
 AUTO = "auto"
 DEFAULT_FRACTION = 0.9  # 1 - REPLAN_CHANGE: see Note [resident auto]
@@ -147,9 +150,6 @@ def budget_bytes(reading: Reading, fraction: float) -> int:
 def device_state_bytes(state: Any, params: Sequence[torch.Tensor] | set[torch.Tensor]) -> int:
     """Bytes of ``params``' states that are in device memory now (0-dim scalars excluded: they are not
     planned as resident bytes)."""
-    import device  # here: swapopt.config imports this module for the knob's parser alone
-    from swapopt.hoststate import local
-
     total = 0
     for p in params:
         for value in (state.get(p) or {}).values():

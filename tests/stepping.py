@@ -87,3 +87,15 @@ def assert_matches_reference(opt: SwapOptimizer, ps, ref: torch.optim.Optimizer,
         assert torch.equal(p.detach(), r.detach())
         # the swapped states are host tensors, the reference's device tensors: compare host copies
         assert all(torch.equal(opt.state[p][k].cpu(), v.cpu()) for k, v in ref.state[r].items())
+
+
+def assert_params_and_states_equal(opt: SwapOptimizer, ps, ref: torch.optim.Optimizer, rs: list[torch.Tensor]) -> None:
+    """Params, state keys and every state (tensors and plain numbers alike) of ``opt`` bitwise those of the
+    reference; the caller has waited for ``opt``'s work."""
+    for p, r in zip(ps, rs):
+        assert torch.equal(p.detach().cpu(), r.detach().cpu())
+    for p, r in zip(ps, rs):
+        st, rt = opt.state[p], ref.state[r]
+        assert set(st) == set(rt)
+        for key in rt:
+            assert torch.equal(torch.as_tensor(st[key]).cpu(), torch.as_tensor(rt[key]).cpu()), key

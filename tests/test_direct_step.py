@@ -9,6 +9,7 @@ import torch
 
 import device
 import simdevice as simulator
+from stepping import assert_params_and_states_equal
 from swapopt import SwapOptimizer, direct
 
 STEPS = 4
@@ -46,13 +47,7 @@ def _run(make, *, steps=STEPS, grad_scale=None, **swap_kw):
                 opt.step()
                 ref.step()
             opt.wait_for_swap_out()
-            for p, r in zip(ps, rs):
-                assert torch.equal(p.detach().cpu(), r.detach().cpu())
-            for p, r in zip(ps, rs):
-                st, rt = opt.state[p], ref.state[r]
-                assert set(st) == set(rt)
-                for key in rt:
-                    assert torch.equal(torch.as_tensor(st[key]).cpu(), torch.as_tensor(rt[key]).cpu()), key
+            assert_params_and_states_equal(opt, ps, ref, rs)
     finally:
         direct.DirectStep.run = real_run
     return taken

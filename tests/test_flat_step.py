@@ -12,6 +12,7 @@ import torch
 
 import device
 import simdevice as simulator
+from stepping import assert_params_and_states_equal
 from swapopt import SwapOptimizer, direct, flat
 
 STEPS = 4
@@ -74,13 +75,7 @@ def _run(make, sizes=SAFE, *, steps=STEPS, grad_scale=None, skip_first=(), chann
                 ref.step()
             opt.wait_for_swap_out()
             opt.wait_for_update()
-            for p, r in zip(ps, rs):
-                assert torch.equal(p.detach().cpu(), r.detach().cpu())
-            for p, r in zip(ps, rs):
-                st, rt = opt.state[p], ref.state[r]
-                assert set(st) == set(rt)
-                for key in rt:
-                    assert torch.equal(torch.as_tensor(st[key]).cpu(), torch.as_tensor(rt[key]).cpu()), key
+            assert_params_and_states_equal(opt, ps, ref, rs)
     finally:
         flat.FlatStep.run, direct.DirectStep.run = real_flat, real_direct
     return taken

@@ -56,6 +56,15 @@ def _train_step(model, opt, i: int) -> None:
     opt.step()
 
 
+def _trains_with_some_states_resident() -> None:
+    """Three train steps with resident_mb="auto" keep some layers' states resident, not all."""
+    model = _model()
+    opt = SwapOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), swap_optimizer_times=4, resident_mb="auto")
+    for i in range(3):
+        _train_step(model, opt, i)
+    assert 0 < len(_resident(opt, model)) < LAYERS
+
+
 def _resident(opt, model) -> list[torch.nn.Parameter]:
     opt.wait_for_swap_out()
     return [p for p in model.parameters() if not device.is_host_tensor(opt.state[p]["exp_avg"])]
@@ -154,11 +163,7 @@ def test_tight_device_the_next_forward_does_not_run_out_of_memory():
             _train_step(model, opt, 1)
     # "auto" at the same capacity trains, with some states resident
     with simulator.activate(capacity_bytes=cap) as dev:
-        model = _model()
-        opt = SwapOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), swap_optimizer_times=4, resident_mb="auto")
-        for i in range(3):
-            _train_step(model, opt, i)
-        assert 0 < len(_resident(opt, model)) < LAYERS
+        _trains_with_some_states_resident()
         # the margin stays free at the forward's peak
         assert dev.max_memory_allocated() <= cap * (1 - MARGIN)
 
@@ -169,11 +174,7 @@ def test_a_process_memory_cap_is_honoured():
     cap = _capacity()
     with simulator.activate(capacity_bytes=2 * cap) as dev:
         dev.set_per_process_memory_fraction(0.5)
-        model = _model()
-        opt = SwapOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), swap_optimizer_times=4, resident_mb="auto")
-        for i in range(3):
-            _train_step(model, opt, i)
-        assert 0 < len(_resident(opt, model)) < LAYERS
+        _trains_with_some_states_resident()
         assert dev.max_memory_allocated() <= cap * (1 - MARGIN)
 
 
