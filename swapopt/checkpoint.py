@@ -20,7 +20,7 @@ import torch
 from loguru import logger
 
 import device
-from swapopt import hoststate, internals, statespec
+from swapopt import hoststate, internals, statespec, subclass_state
 from swapopt.hoststate import ELEMENTWISE, is_dtensor
 from swapopt.masters import MASTER_KEY
 
@@ -109,7 +109,10 @@ def _swapped(p: torch.Tensor | None, key: Any, value: Any) -> bool:
 
 def _alias(value: torch.Tensor, handed: list[weakref.ref]) -> torch.Tensor:
     """The same host memory as ``value`` (a DTensor: its local shard), seen through a storage of exactly its
-    bytes, remembered as handed out (Note [state dict aliases])."""
+    bytes, remembered as handed out (Note [state dict aliases]). A subclass state (Note [subclass states] in
+    swapopt.subclass_state) is the same subclass over aliases of its parts."""
+    if subclass_state.is_subclass_state(value):
+        return subclass_state.map_parts(value, lambda part: _alias(part, handed))
     loc = hoststate.local(value)
     if loc.numel() == 0 or loc.layout is not torch.strided:
         return value
@@ -225,7 +228,9 @@ def load_state_dict(opt, state_dict: dict[str, Any]) -> None:
     # 5. New host tensors are allocated and filled first: a failure here leaves the optimizer as it was.
     staged: dict[int, torch.Tensor] = {}
     for c in copies + master_copies:
-        if not c.in_place:
+        if not c.in_place and subclass_state.is_subclass_state(c.src):  # part by part, never dequantized
+            staged[id(c)] = hoststate.pinned_copy(c.src)
+        elif not c.in_place:
             dst = hoststate.new_host_like(c.param, c.dtype) if c.shape is None \
                 else device.pinned_empty(c.shape, dtype=c.dtype)
             hoststate.local(dst).copy_(c.src)
@@ -238,6 +243,12 @@ def load_state_dict(opt, state_dict: dict[str, Any]) -> None:
         for c in copies + master_copies:
             if c.in_place:
                 current = c
+                if subclass_state.is_subclass_state(c.src):
+                    for (_, d), (_, s) in zip(subclass_state.parts(c.dst), subclass_state.parts(c.src)):
+                        if not _same_tensor(d, s):
+                            d.copy_(s)
+                    written.append((c.index, c.key))
+                    continue
                 dst_local = hoststate.local(c.dst)
                 if not _same_tensor(dst_local, c.src):  # DCP loads into the tensors state_dict() returned
                     dst_local.copy_(c.src)
@@ -354,6 +365,11 @@ def _try_copy(c: _Copy, scratch: dict[torch.dtype, torch.Tensor]) -> None:
     """Copy one element of ``c.src`` into a scratch host tensor (one per dtype), so that a value that cannot
     be copied at all is refused before anything changes."""
     src = c.src
+    if subclass_state.is_subclass_state(src):  # each part on its own: the subclass is copied part by part
+        for attr, part in subclass_state.parts(src):
+            _try_copy(_Copy(param=c.param, index=c.index, key=f"{c.key}.{attr}", src=part, dst=None, dtype=part.dtype),
+                      scratch)
+        return
     if src.is_meta or src.layout != torch.strided:
         raise ValueError(f"param {c.index}, state {c.key!r}: a {src.layout} {src.device} tensor holds no data to load")
     if src.numel() == 0:
@@ -388,7 +404,10 @@ def _plan_param(opt, p: torch.Tensor, index: int, values: dict[Any, Any],
     copies: list[_Copy] = []
     for key, value in values.items():
         where = f"param {index}, state {key!r}"
-        if isinstance(value, torch.Tensor) and hoststate.is_swapped_state(p, key, value):
+        if subclass_state.is_subclass_state(hoststate.local(value)) and hoststate.is_swapped_state(p, key, value):
+            copies.append(_plan_subclass(p, index, key, value, current.get(key), where))
+            out[key] = value
+        elif isinstance(value, torch.Tensor) and hoststate.is_swapped_state(p, key, value):
             existing = current.get(key)
             if not (isinstance(existing, torch.Tensor) and device.is_host_tensor(existing)):
                 existing = None  # none yet, or resident on the device: it gets a new host tensor
@@ -401,6 +420,25 @@ def _plan_param(opt, p: torch.Tensor, index: int, values: dict[Any, Any],
         else:
             out[key] = deepcopy(value)
     return out, copies
+
+
+def _plan_subclass(p: torch.Tensor, index: int, key: Any, value: torch.Tensor, existing: Any, where: str) -> _Copy:
+    """A saved subclass state (Note [subclass states] in swapopt.subclass_state) goes part by part into the
+    host subclass state p has, when its parts match, else into a new one; kept as it was saved (its class,
+    parts and appearance dtype), as torch's own load keeps it."""
+    if is_dtensor(p) or is_dtensor(value):
+        raise ValueError(
+            f"{where}: a {type(hoststate.local(value)).__name__} state of a DTensor (FSDP2) param, or in a DTensor, "
+            "cannot be swapped yet (its parts would need DTensors of their own over the host shards)"
+        )
+    if tuple(value.shape) != tuple(p.shape):
+        raise ValueError(f"{where}: shape {tuple(value.shape)} does not match the param's {tuple(p.shape)}")
+    fits = (
+        subclass_state.is_subclass_state(existing) and device.is_host_tensor(existing)
+        and subclass_state.same_parts(existing, value)
+    )
+    return _Copy(param=p, index=index, key=key, src=value, dst=existing if fits else None, dtype=value.dtype,
+                 placeholder=value)
 
 
 def _plan_swapped(opt, p: torch.Tensor, index: int, key: Any, value: torch.Tensor, existing: torch.Tensor | None,

@@ -23,12 +23,19 @@ _DEFAULT_PRESET = {"cuda": "h100", "npu": "910b"}
 
 
 def _from_preset(preset) -> LinkCosts:
+    # Each direction's latency and the rates with both busy as the preset models them (Note [link sharing] in
+    # device/sim/preset_spec.py): under "sized" its duplex table's, under the other rules half the cap each.
+    sized = getattr(preset, "link_sharing", None) == "sized"
     return LinkCosts(
         copy_latency_us=preset.copy_latency_us,
         h2d_gbps=preset.h2d_gbps,
         d2h_gbps=preset.d2h_gbps,
         duplex_gbps=preset.duplex_gbps,
         host_chunk_us=LAUNCHES_PER_CHUNK * preset.launch_us + PYTHON_CHUNK_US,
+        h2d_latency_share=getattr(preset, "h2d_latency_share", 0.5),
+        duplex_table=tuple(getattr(preset, "duplex_table", ())) if sized else (),
+        host_copy_us=preset.launch_us,
+        host_tensor_us=getattr(preset, "host_tensor_us", 0.0),
     )
 
 

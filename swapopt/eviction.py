@@ -67,7 +67,8 @@ def restore_scalars(opt: Any) -> None:
         hook.remove()
     scalars = opt.__dict__.pop(_SCALARS, {})
     for (p, key), where in scalars.items():
-        st = opt.state.get(p)
+        # The inner's dict: this runs as a step pre-hook, where the public `state` would wait (Note [reading states]).
+        st = opt.optimizer.state.get(p)
         value = None if st is None else st.get(key)
         if isinstance(value, torch.Tensor) and device.is_host_tensor(value):
             dst = torch.empty(local(value).shape, dtype=value.dtype, device=where)

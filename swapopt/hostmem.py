@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 import device
+from swapopt import hoststate
 from swapopt.hoststate import local
 from swapopt.masters import LOW_PRECISION
 
@@ -145,8 +146,8 @@ def _held(layout: HostLayout, p: torch.Tensor) -> int:
     if entry is not None:
         return entry.nbytes
     st: dict[str, Any] = layout.state.get(p) or {}
-    return sum(local(v).numel() * local(v).element_size() for v in st.values()
-               if isinstance(v, torch.Tensor) and v.dim() > 0)
+    # state_nbytes: a low-bit subclass state holds its parts' bytes, not numel x its appearance dtype
+    return sum(hoststate.state_nbytes(v) for v in st.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
 
 
 def _all_masters(layout: HostLayout, params: list[torch.Tensor]) -> int:

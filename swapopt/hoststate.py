@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 import device
-from swapopt import internals
+from swapopt import internals, subclass_state
 from swapopt.internals import raw_step  # noqa: F401 - re-exported: statespec and probes step raw
 from swapopt.perparam import TORCH_ELEMENTWISE
 
@@ -133,7 +133,18 @@ def memory_order(t: torch.Tensor) -> tuple[int, ...]:
 
 def pinned_empty_like(value: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """Pinned host memory shaped, typed (``dtype`` if given) and laid out (layout_strides) like ``value``'s
-    local tensor, wrapped like ``value`` (a DTensor over the host shard for DTensors)."""
+    local tensor, wrapped like ``value`` (a DTensor over the host shard for DTensors). A tensor-subclass state
+    gets the same subclass over pinned parts (Note [subclass states] in swapopt.subclass_state)."""
+    if is_dtensor(value) and subclass_state.is_subclass_state(local(value)):
+        raise NotImplementedError(
+            f"a {type(local(value)).__name__} optimizer state of a DTensor (FSDP2) param cannot be swapped yet: its "
+            "parts would need DTensors of their own over the host shards; swap it over plain (non-DTensor) params, "
+            "or run the low-bit optimizer unwrapped under FSDP2"
+        )
+    if subclass_state.is_subclass_state(value):
+        if dtype is not None and dtype != value.dtype:
+            raise TypeError(f"a {type(value).__name__} state cannot be made {dtype}: its parts are quantized")
+        return subclass_state.map_parts(value, pinned_empty_like)
     src = local(value)
     return wrap_like(value, pinned_like(tuple(src.shape), layout_strides(src), dtype or src.dtype))
 
@@ -141,6 +152,8 @@ def pinned_empty_like(value: torch.Tensor, dtype: torch.dtype | None = None) -> 
 def pinned_copy(value: torch.Tensor) -> torch.Tensor:
     """A pinned host copy of ``value`` with its dense layout (a DTensor over the host shard for DTensors)."""
     # src's own strides when dense (channels_last stays channels_last), else contiguous.
+    if subclass_state.is_subclass_state(value):  # part by part: a copy into a plain tensor would dequantize
+        return subclass_state.map_parts(value, pinned_copy)
     dst = pinned_empty_like(value)
     local(dst).copy_(local(value))
     return dst
@@ -161,6 +174,8 @@ def is_swapped_state(param: torch.Tensor, key: str, value: Any) -> bool:
 
 
 def state_nbytes(value: torch.Tensor) -> int:
+    if subclass_state.is_subclass_state(value):  # its parts' bytes, not numel x its appearance dtype
+        return subclass_state.nbytes(value)
     loc = local(value)
     return loc.numel() * loc.element_size()
 

@@ -18,7 +18,7 @@ import torch
 from loguru import logger
 
 import device
-from swapopt import flat as flat_update, hostmem, hoststate, perparam
+from swapopt import flat as flat_update, hostmem, hoststate, perparam, subclass_state
 from swapopt.arena import Arenas, Run, arena_limit, itemsize, pack
 from swapopt.context import StepContext
 from swapopt.hoststate import is_swapped_state, local, new_host_like, wrap_like
@@ -176,8 +176,27 @@ class HostLayout:
         return self.ctx.param_groups
 
     def holder(self, p: torch.Tensor, key: str) -> dict[str, torch.Tensor] | None:
-        """The dict that stores p's host tensor ``key``: its state dict, or its master's (Note [master weights])."""
+        """The dict that stores p's host tensor ``key``: its state dict, or its master's (Note [master weights]);
+        for a part of a subclass state, the state dict holding the subclass."""
         return self.ctx.masters.host.get(p) if key == MASTER else self.state.get(p)
+
+    def current(self, p: torch.Tensor, key: str) -> Any:
+        """p's host tensor ``key`` as opt.state holds it now: a part key (Note [subclass states] in
+        swapopt.subclass_state) gives that part of the subclass state its holder keeps."""
+        split = subclass_state.split_key(key)
+        value = (self.holder(p, split[0] if split else key) or {}).get(split[0] if split else key)
+        if split is None or not subclass_state.is_subclass_state(value):
+            return value if split is None else None
+        return dict(subclass_state.parts(value)).get(split[1])
+
+    def put(self, p: torch.Tensor, key: str, new: torch.Tensor) -> None:
+        """Store ``new`` as p's host tensor ``key``: a part goes into a rebuilt subclass state."""
+        split = subclass_state.split_key(key)
+        if split is None:
+            self.holder(p, key)[key] = new
+            return
+        st = self.holder(p, split[0])
+        st[split[0]] = subclass_state.rebuild(st[split[0]], {split[1]: new})
 
     def has_states(self, p: torch.Tensor) -> bool:
         """p's cached host entry holds states (not only its master)."""
@@ -289,6 +308,13 @@ class HostLayout:
         for key, value in list(st.items()):
             if not is_swapped_state(p, key, value):
                 continue
+            if subclass_state.is_subclass_state(value):  # swapped part by part (Note [subclass states])
+                value = st[key] = self.host_parts(p, key, value, previous, quiet)
+                for attr, part in subclass_state.parts(value):
+                    keys.append(subclass_state.part_key(key, attr))
+                    stored.append(part)
+                    locs.append(part)
+                continue
             upcast = want is not None and value.is_floating_point() and local(value).dtype != want
             if upcast or not device.is_host_tensor(value) or not hoststate.is_dense(local(value)):
                 if not quiet and not device.is_host_tensor(value):
@@ -322,6 +348,25 @@ class HostLayout:
         self.version += 1
         return entry
 
+    def host_parts(self, p: torch.Tensor, key: str, value: torch.Tensor, previous: dict, quiet: bool) -> torch.Tensor:
+        """The subclass state ``value`` with every part in dense host memory: parts found elsewhere (the optimizer
+        created the state on the device, or it was resident) are copied into pinned host tensors, the ones they
+        came from when those still fit. Never through a dequantize: byte for byte."""
+        new = {}
+        for attr, part in subclass_state.parts(value):
+            if device.is_host_tensor(part) and hoststate.is_dense(part):
+                continue
+            if not quiet:
+                self.ctx.warn_once("rehome-part", f"swapopt: a part of optimizer state {key!r} was found in device "
+                                   "memory; it is copied back into pinned host memory")  # fmt: skip
+            home = previous.get(subclass_state.part_key(key, attr))
+            if home is None or not hoststate.same_layout(home, part) or home.dtype != part.dtype:
+                home = hoststate.pinned_empty_like(part)
+            self.ctx.operate.wait_for_swap_out([p])
+            home.copy_(part)
+            new[attr] = home
+        return subclass_state.rebuild(value, new) if new else value
+
     def check_host(self, p: torch.Tensor) -> bool:
         """Whether p's cached host layout still matches opt.state[p]."""
         entry = self.host.get(p)
@@ -330,12 +375,18 @@ class HostLayout:
             return not st and self.ctx.masters.get(p) is None
         if len(st or ()) != entry.nkeys:
             return False
-        return all((self.holder(p, k) or {}).get(k) is t for k, t in zip(entry.keys, entry.stored))
+        return all(self.current(p, k) is t for k, t in zip(entry.keys, entry.stored))
 
     def ensure_resident(self, p: torch.Tensor, dev: torch.device) -> None:
         """Resident params keep their states in device memory."""
         st = self.state.get(p) or {}
+        if any(is_swapped_state(p, k, v) and device.is_host_tensor(v) for k, v in st.items()):
+            # swapped until now (a re-plan made it resident): the last step's swap-out may still write them
+            self.ctx.operate.wait_for_swap_out([p])
         for key, value in list(st.items()):
+            if subclass_state.is_subclass_state(value) and device.is_host_tensor(value):
+                st[key] = subclass_state.map_parts(value, lambda t: t.to(dev))  # part by part, byte for byte
+                continue
             if is_swapped_state(p, key, value) and device.is_host_tensor(value):
                 src = local(value)
                 dst = torch.empty_strided(src.shape, hoststate.layout_strides(src), dtype=src.dtype, device=dev)
@@ -398,9 +449,16 @@ class HostLayout:
             entry = self.host.get(p)
             if entry is None or d is None:
                 continue
-            dicts += [self.holder(p, k) for k in entry.keys]
-            keys += entry.keys
-            stored += entry.stored
+            for k, t in zip(entry.keys, entry.stored):
+                split = subclass_state.split_key(k)
+                if split is not None:  # a part: watch the subclass state that holds it, once
+                    k = split[0]
+                    t = d.get(k)
+                    if keys and keys[-1] == k and dicts[-1] is d:
+                        continue
+                dicts.append(self.holder(p, k))
+                keys.append(k)
+                stored.append(t)
         prep.watch_states = (dicts, keys, stored)
         prep.recheck = [i for i, (f, g) in enumerate(zip(prep.flat, prep.key[2])) if f or g]
         prep.group_ids = sorted(set(prep.groups))
@@ -608,7 +666,7 @@ class HostLayout:
                 continue
             new = self.arenas.place(base, offset, stored, local(stored).dtype)
             local(new).copy_(local(stored))
-            self.holder(p, key)[key] = new
+            self.put(p, key, new)
             moved[p] = None
         del stored
         for p in moved:

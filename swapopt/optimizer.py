@@ -62,6 +62,8 @@ def _refuse(optimizer: Any, per_param: bool) -> None:
     if isinstance(optimizer, SwapOptimizer):
         raise ValueError("this optimizer is already a SwapOptimizer; wrap the inner optimizer once")
     cls = type(optimizer)
+    if perparam.refusal(cls) is not None:
+        raise ValueError(perparam.refusal(cls))
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError(
             "LBFGS cannot be swapped: it keeps one flat history over all params and re-evaluates the closure "
@@ -182,8 +184,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         # wrapper takes the inner optimizer's own objects so schedulers, clipping and DCP see one truth.
         super().__init__([dict(g) for g in optimizer.param_groups], dict(optimizer.defaults))
         self.param_groups = optimizer.param_groups
-        self.state = optimizer.state
-        self.defaults = optimizer.defaults
+        self.defaults = optimizer.defaults  # `state` is a property over the inner's dict (Note [reading states])
         self.operate = SwapOptimizerOperate(settings.slots, overlap=settings.overlap_forward)
         self._forward_waits = ForwardWaits(self.operate)
         # What the lower layers get instead of this wrapper (swapopt.context). step_fn is the inner class's
@@ -227,6 +228,40 @@ class SwapOptimizer(torch.optim.Optimizer):
         self._ctx.step_fn = fn
 
     # ----- torch.optim.Optimizer surface -------------------------------------------------------
+    # Note [reading states]
+    # A swapped step returns with its last chunks' swap-outs in flight: D2H copies still writing the pinned host
+    # states that opt.state[p][key] are views of (the arena). Host code reading them before the copies land reads a
+    # mix of two steps, on hardware as on the simulator (whose sanitizer reports it, naming 'swapopt.swap_out').
+    # So `SwapOptimizer.state` is a property: fetching it blocks the host until the swap-outs in flight are done
+    # (wait_for_swap_out) and orders the current stream after pending updates (wait_for_update: resident states
+    # under overlap_forward are updated on the update stream), then returns the inner optimizer's own dict, so
+    # `opt.state[p]["exp_avg"]` right after step() reads the stepped values. The wait falls on the reader only:
+    # swapopt's own step, layout and pipeline read the inner optimizer's dict (StepContext.state), never this
+    # property, so a step never waits on itself; between steps the wait is on events already done, and cheap.
+    # What it cannot cover: a reference fetched before a step and read after it (the mapping `st = opt.state`, a
+    # param's dict `opt.state[p]`, a state tensor, or `opt.optimizer.state`) reads host memory directly, and a
+    # CPU load from pinned memory has no point at which anything could wait. Such a holder calls
+    # `opt.wait_for_swap_out()` after the step, before reading. state_dict() waits itself and its aliases follow
+    # the step (Note [state dict aliases] in swapopt.checkpoint); deepcopy and pickle wait (swapopt.copying).
+    # Writing through `opt.state` between a prefetch and the step stays the caller's to avoid (class docstring).
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        """The wrapped optimizer's state dict, read after the last step's swap-outs (Note [reading states])."""
+        if self.__dict__.get("_ready"):
+            self.wait_for_swap_out()
+            self.wait_for_update()
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        if not self.__dict__.get("_ready"):
+            return  # Optimizer.__init__'s fresh dict: the wrapper shares the inner optimizer's instead
+        # Rebinding replaces the inner optimizer's states (one truth): none of the old ones may be in flight.
+        self.wait_for_update()
+        self.wait_for_swap_out()
+        self.optimizer.state = value
+        self.invalidate()  # the cached host layouts describe the old tensors
+
     @property
     def _step_supports_amp_scaling(self) -> bool:  # GradScaler's private flag (swapopt.internals)
         # With master weights the step unscales the masters' fp32 grads itself when the kernel does not
@@ -281,9 +316,9 @@ class SwapOptimizer(torch.optim.Optimizer):
         self.wait_for_update()
         self.operate.discard_prefetch()  # its copies read the host states the load writes
         checkpoint.load_state_dict(self, state_dict)
-        # Optimizer.load_state_dict rebinds state/param_groups: keep sharing the inner's objects.
+        # Optimizer.load_state_dict rebinds state/param_groups: keep sharing the inner's objects (`state` is
+        # the inner's by construction, Note [reading states]).
         self.param_groups = self.optimizer.param_groups
-        self.state = self.optimizer.state
         self.invalidate()
 
     def offload(self, empty_cache: bool = True) -> None:

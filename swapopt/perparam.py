@@ -23,6 +23,25 @@ TORCH_ELEMENTWISE = (
 
 _registered: dict[type, bool] = {}  # class -> element-wise
 
+# Third-party optimizers known to be per-param, by (module of the class whose step runs, its name), matched
+# without importing them. torchao's low-bit Adams step each param from its grad, its own state and the group's
+# hyperparameters (torchao/optim/adam.py, _AdamBase.step); not element-wise: their states are quantized per
+# block of elements (Note [subclass states] in swapopt.subclass_state), so a param is never split.
+_KNOWN_STEPS = {("torchao.optim.adam", "_AdamBase")}
+_KNOWN_CLASSES = {
+    ("torchao.optim.adam", name) for name in ("Adam8bit", "Adam4bit", "AdamFp8", "AdamW8bit", "AdamW4bit", "AdamWFp8")
+}
+
+# Third-party optimizers that cannot be swapped, whatever the user vouches, and why.
+_REFUSED = {
+    ("torchao.optim.cpu_offload", "CPUOffloadOptimizer"): (
+        "torchao's CPUOffloadOptimizer cannot be swapped: its states are not per-param states of its own (it keeps "
+        "one inner optimizer per param over pinned host copies of the params, steps them on the CPU and copies the "
+        "params back itself), so there is nothing for SwapOptimizer to stream; use it alone, or swap a low-bit "
+        "optimizer (torchao.optim.AdamW8bit, AdamW4bit, AdamWFp8) with SwapOptimizer"
+    ),
+}
+
 
 def register_per_param(cls: type, *, elementwise: bool = False) -> type:
     """Declare that ``cls`` (a torch.optim.Optimizer subclass) updates each param from that param, its
@@ -51,9 +70,26 @@ def _torch_builtin(cls: type) -> bool:
     )
 
 
+def _known(cls: type) -> bool:
+    # Once an instance exists the owner is the class itself (Optimizer.__init__ sets its hook wrapper of the
+    # step on the instance's class); before, the listed base whose step it inherits.
+    owner = _step_owner(cls)
+    if owner is None:
+        return False
+    return (owner.__module__, owner.__name__) in _KNOWN_CLASSES or (
+        (owner.__module__, owner.__name__) in _KNOWN_STEPS and (cls.__module__, cls.__name__) in _KNOWN_CLASSES
+    )
+
+
 def is_per_param(cls: type) -> bool:
-    """Known to be per-param: registered, or its step is one of torch.optim's own optimizers' steps."""
-    return cls in _registered or _torch_builtin(cls)
+    """Known to be per-param: registered, its step is one of torch.optim's own optimizers' steps, or one of the
+    third-party steps listed above."""
+    return cls in _registered or _torch_builtin(cls) or _known(cls)
+
+
+def refusal(cls: type) -> str | None:
+    """Why ``cls`` cannot be swapped even if vouched for; None when nothing known stands in the way."""
+    return next((_REFUSED[key] for key in ((c.__module__, c.__name__) for c in cls.__mro__) if key in _REFUSED), None)
 
 
 def is_elementwise(cls: type) -> bool:

@@ -32,7 +32,7 @@ from typing import Any, Iterable
 import torch
 
 import device
-from swapopt import direct, flat, hoststate, inner, internals, recovery
+from swapopt import direct, flat, hoststate, inner, internals, recovery, subclass_state
 from swapopt.arena import itemsize
 from swapopt.hoststate import is_swapped_state, local, new_host_like, wrap_like
 from swapopt.context import StepContext
@@ -533,6 +533,8 @@ class StepRun:
         for key, value in state[p].items():
             if key in views:
                 pst[key] = views[key][0]
+            elif (parts := subclass_state.staged(key, value, views)) is not None:  # Note [subclass states]
+                pst[key] = subclass_state.rebuild(value, {a: entry[0] for a, entry in parts.items()})
             elif isinstance(value, torch.Tensor):
                 pst[key] = value if whole else value.clone()
             else:
@@ -675,11 +677,23 @@ class StepRun:
                     slot_view.copy_(local(value))  # the optimizer replaced the tensor instead of updating it
                 if host is not None and slot_view.numel():  # None: a run of the chunk copies it out
                     copies.append((host, slot_view))
+            elif (parts := subclass_state.staged(key, value, views)) is not None:  # Note [subclass states]
+                for attr, part in subclass_state.parts(value):
+                    given, slot_view, host = parts[attr]
+                    if part is not given and part.data_ptr() != slot_view.data_ptr():
+                        slot_view.copy_(part)  # the optimizer rebuilt the state over new tensors
+                    if host is not None and slot_view.numel():
+                        copies.append((host, slot_view))
             elif is_swapped_state(t, key, value):  # created by the optimizer this step
                 src = local(value)
                 host = local(self.pending_host(p, key, value, flat))
                 dst = hoststate.flat_view(host)[piece.start : piece.stop] if flat else host
-                if src.numel():
+                if subclass_state.is_subclass_state(src):  # part by part: never through a dequantize
+                    for (_, d), (_, s) in zip(subclass_state.parts(dst), subclass_state.parts(src)):
+                        if s.numel():
+                            copies.append((d, s))
+                            hold.append(s)
+                elif src.numel():
                     copies.append((dst, src))
                     hold.append(src)
             else:

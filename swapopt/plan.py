@@ -9,9 +9,12 @@ of ``align`` elements, so vectorized kernels group elements exactly as they do f
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
+
+from device.link_table import duplex_rate
 
 DEFAULT_ALIGN = 512  # elements; 2 KiB of fp32, a multiple of every CPU/GPU vector width
 SLOT_ALIGN = 64  # bytes; every slot region starts on a cache line (and a 16-byte vector boundary)
@@ -36,19 +39,29 @@ RAMP_MIN_BYTES = 512 << 10
 RAMP_MIN_CHUNKS = 8
 
 # Note [chunk count from costs]: ``swap_optimizer_times`` (or ``chunk_mb``) bounds the bytes of a chunk, and so
-# the staging memory, (slots + 1) x chunk. Within that bound the planner has choices that change the step's
-# time but not its memory: whether to ramp the first chunks up and the last ones down (Note [ramp]), and
-# whether to keep params whole with extra chunks or cut them. Each costs chunks or copies, and each chunk and
-# copy costs time that moves no bytes: the link's latency per copy, each direction, and the host's time to issue
-# a chunk (its launches and Python). Given the device's costs (``LinkCosts``: from the simulator's preset, a
-# calibrated preset file, or the h100/910b figures, swapopt.costs), make_plan builds every plan these choices
-# allow and keeps the one whose modeled time (``estimate_us``) is least, fewest chunks on a tie:
+# the staging memory, (slots + 1) x chunk: with ``swap_optimizer_times`` a chunk holds at most a quarter more
+# than an even split (docs/optimizer.md). Within that bound the planner has choices that change the step's time
+# but not the bound: how many chunks (fewer, larger ones up to the bound), whether to ramp the first chunks up
+# and the last ones down (Note [ramp]), and whether to keep params whole with extra chunks or cut them. Each
+# costs chunks or copies, and each chunk and copy costs time that moves no bytes: its direction's latency per
+# copy (on the H100 an H2D copy waits 28 us, a D2H one 2 us: SimPreset.latency_us) and the host's time to
+# issue a chunk (its launches and Python). Given the device's costs (``LinkCosts``: from the simulator's preset,
+# a calibrated preset file, or the h100/910b figures, swapopt.costs), make_plan builds the plans these choices
+# allow, at a few budgets from the even split up to the bound, and keeps the one whose modeled time
+# (``estimate_us``) is least, fewest chunks on a tie:
 #     time = first swap-in alone + last swap-out alone
-#            + max(per direction: copies x latency + its bytes at half the duplex rate, chunks x host per chunk)
-# So a ramp chunk whose copy is shorter than the latency and host time it adds is left out (on the H100, with
-# 15 us a copy and 60 us a chunk, ramp chunks below about 4 MiB), and a whole-param plan that needs more chunks
-# than a cut one loses to it where chunks cost more than cut copies. Without costs the rules above apply as
-# they are.
+#            + max(the other swap-ins, the other swap-outs, every chunk's host time)
+# where a copy takes its direction's latency and then its bytes at the rate that direction keeps with the other
+# busy (the preset's duplex table at that copy size, Note [link sharing] in device/sim/preset_spec.py). So where
+# a chunk's copy is short against its latency (many small chunks: one FSDP rank's shards at 64 chunks), fewer,
+# larger chunks up to the bound win; a ramp chunk whose copy is shorter than the latency and host time it adds
+# is left out; and a whole-param plan that needs more chunks than a cut one loses to it where chunks cost more
+# than cut copies. More chunks asked for never means chunks above the bound they set: where the costs would
+# want larger ones, the memory bound wins. Without costs the rules above apply as they are.
+#
+# A piece of a param split across chunks costs a copy per state beyond the first, each way (``_copies``): each
+# state of a param lies dense and whole in host memory (the state dict hands them out as they are), so the
+# same elements of two states are two ranges there, never one. The planner counts them; it cannot merge them.
 
 
 @dataclass(frozen=True)
@@ -56,17 +69,46 @@ class LinkCosts:
     """What a chunk and a copy cost on the device's link (Note [chunk count from costs]). Rates in GB/s
     (1e9 bytes/s), times in microseconds."""
 
-    copy_latency_us: float
-    h2d_gbps: float
+    copy_latency_us: float  # mean of the two directions' latencies
+    h2d_gbps: float  # one direction alone
     d2h_gbps: float
-    duplex_gbps: float
-    host_chunk_us: float
+    duplex_gbps: float  # the most both carry together
+    host_chunk_us: float  # host time to issue one chunk: its launches and the pipeline's Python
+    # The share of the two latencies an H2D copy pays (SimPreset.h2d_latency_share): 0.5, both the mean.
+    h2d_latency_share: float = 0.5
+    # (copy bytes, H2D GB/s, D2H GB/s) with both directions busy (SimPreset.duplex_table, link_sharing "sized");
+    # none: each direction gets at most half of duplex_gbps while the other is busy.
+    duplex_table: tuple[tuple[float, float, float], ...] = ()
+    host_copy_us: float = 0.0  # host time of one more copy (its launch): what a split piece's copies add
+    host_tensor_us: float = 0.0  # host time per tensor an update's lists take (param, grad, step, states)
 
     def __post_init__(self) -> None:
         if min(self.h2d_gbps, self.d2h_gbps, self.duplex_gbps) <= 0:
             raise ValueError(f"link rates must be positive, got {self}")
-        if self.copy_latency_us < 0 or self.host_chunk_us < 0:
+        if min(self.copy_latency_us, self.host_chunk_us, self.host_copy_us, self.host_tensor_us) < 0:
             raise ValueError(f"latency and host time must be >= 0, got {self}")
+        if not 0.0 <= self.h2d_latency_share <= 1.0:
+            raise ValueError(f"h2d_latency_share must lie in [0, 1], got {self.h2d_latency_share}")
+        table = tuple((float(n), float(h), float(d)) for n, h, d in self.duplex_table)
+        if any(min(row) <= 0 for row in table) or any(a[0] >= b[0] for a, b in itertools.pairwise(table)):
+            raise ValueError(f"duplex_table rows must be (bytes, GB/s, GB/s), all positive, bytes ascending: {table}")
+        object.__setattr__(self, "duplex_table", table)
+
+    def latency_us(self, direction: str) -> float:
+        """The fixed cost of one copy of ``direction`` ("h2d" or "d2h") before its bytes flow."""
+        share = self.h2d_latency_share if direction == "h2d" else 1.0 - self.h2d_latency_share
+        return 2.0 * share * self.copy_latency_us
+
+    def both_bytes_per_us(self, direction: str, nbytes: float) -> float:
+        """Bytes per us a copy of ``direction`` and ``nbytes`` moves while the other direction is busy: the duplex
+        table's rate at that size (interpolated in log size, clamped at its ends), never above the direction's
+        rate alone (as SimPreset.both_gbps)."""
+        alone = self.h2d_gbps if direction == "h2d" else self.d2h_gbps
+        table = self.duplex_table
+        if not table:
+            return min(alone, self.duplex_gbps / 2) * 1e3
+        rate = duplex_rate(table, direction, nbytes)
+        return min(rate, alone) * 1e3
 
 
 @dataclass(frozen=True)
@@ -240,31 +282,58 @@ def chunk_pieces(
     return chunks
 
 
-def _copies(chunk: Chunk, sizes: dict[int, ParamSize]) -> int:
-    """Copies each way of one chunk, as the host arena lays it out (swapopt.arena): one for the chunk, and
-    one more per state of a piece that is only part of its param (its state lies whole elsewhere)."""
-    extra = 0
+def _copies(chunk: Chunk, sizes: dict[int, ParamSize]) -> tuple[int, int]:
+    """(copies each way, cut pieces) of one chunk, as the host arena lays it out (swapopt.arena): one copy for
+    the chunk, and one more per state beyond the first of a piece that is only part of its param (its states lie
+    whole and dense elsewhere, so that piece's range of each state is a range of its own: one state's joins the
+    run beside it, the others' are copies of their own; Note [chunk count from costs])."""
+    extra = cut = 0
     for pc in chunk.pieces:
         size = sizes.get(pc.index)
         if size is not None and size.state_bytes and (pc.start > 0 or pc.stop < size.numel):
-            extra += max(size.regions, 1)
-    return 1 + extra
+            extra += max(size.regions, 1) - 1
+            cut += 1
+    return 1 + extra, cut
 
 
 def estimate_us(chunks: Sequence[Chunk], sizes: Sequence[ParamSize], costs: LinkCosts) -> float:
-    """Modeled time of a step over ``chunks`` on a link with ``costs`` (Note [chunk count from costs])."""
+    """Modeled time of a step over ``chunks`` on a link with ``costs`` (Note [chunk count from costs]): the first
+    swap-in and the last swap-out alone, and between them the slower of the link's work and the host's. On the
+    link each copy waits its direction's latency and moves its bytes at the rate that direction keeps with the
+    other busy; once the direction with less to do is done, the other's rest moves at its rate alone. The host
+    issues every chunk, the extra copies of cut pieces and the tensors of each update."""
     if not chunks:
         return 0.0
     by_index = {s.index: s for s in sizes}
-    copies = sum(_copies(c, by_index) for c in chunks)
-    nbytes = sum(c.nbytes for c in chunks)
-    half = costs.duplex_gbps * 1e3 / 2  # bytes per us each direction gets with both busy
-    body = max(
-        copies * costs.copy_latency_us + nbytes / min(half, costs.h2d_gbps * 1e3, costs.d2h_gbps * 1e3),
-        len(chunks) * costs.host_chunk_us,
-    )
-    fill = chunks[0].nbytes / (costs.h2d_gbps * 1e3) + chunks[-1].nbytes / (costs.d2h_gbps * 1e3)
-    return fill + body
+    tensors = {s.index: max(s.regions, 1) + 3 for s in sizes}  # an update's lists: param, grad, step, states
+    lat_in, lat_out = costs.latency_us("h2d"), costs.latency_us("d2h")
+    alone = {"h2d": costs.h2d_gbps * 1e3, "d2h": costs.d2h_gbps * 1e3}  # bytes per us
+    # per direction, over the copies beside the other direction: latency (us), bytes moving at the shared
+    # rate (us), and the same bytes at the direction's rate alone (us)
+    lanes = {"h2d": [0.0, 0.0, 0.0], "d2h": [0.0, 0.0, 0.0]}
+    host = fill = 0.0
+    last = len(chunks) - 1
+    for k, chunk in enumerate(chunks):
+        copies, cut = _copies(chunk, by_index)
+        size = chunk.nbytes / copies  # bytes of one copy, on average
+        for way, lat, alone_here in (("h2d", lat_in, k == 0), ("d2h", lat_out, k == last)):
+            if alone_here:
+                fill += copies * lat + chunk.nbytes / alone[way]
+            else:
+                lane = lanes[way]
+                lane[0] += copies * lat
+                lane[1] += chunk.nbytes / costs.both_bytes_per_us(way, size)
+                lane[2] += chunk.nbytes / alone[way]
+        # a cut piece's extra copies each way, and the copy of its scalar states (step) it is stepped with
+        host += costs.host_chunk_us + (2 * (copies - 1) + cut) * costs.host_copy_us
+        host += costs.host_tensor_us * sum(tensors.get(pc.index, 4) for pc in chunk.pieces)
+    # what the longer lane has left once the other is done moves at its rate alone, not the shared one
+    (lat_a, both_a, solo_a), (lat_b, both_b, _) = sorted(lanes.values(), key=lambda lane: -(lane[0] + lane[1]))
+    total_a, total_b = lat_a + both_a, lat_b + both_b
+    rest = total_a - total_b
+    moving = both_a / total_a if total_a else 0.0  # the share of the longer lane that moves bytes
+    link = total_b + rest * (1 - moving) + rest * moving * (solo_a / both_a if both_a else 1.0)
+    return fill + max(link, host)
 
 
 def _cheapest(candidates: Sequence[list[Chunk]], sizes: Sequence[ParamSize], costs: LinkCosts) -> list[Chunk]:
@@ -302,13 +371,85 @@ def _smallest_budget(
 ) -> int:
     """Smallest budget in [lo, hi] that cuts ``sizes`` into at most ``times`` chunks (binary search;
     greedy cutting in a fixed order never needs more chunks for a larger budget)."""
+    items = [(s.numel, s.state_bytes, s.splittable, s.pad_bytes) for s in sizes]
     while lo < hi:
         mid = (lo + hi) // 2
-        if len(chunk_pieces(sizes, mid, align, keep_whole=keep_whole)) > times:
+        if count_chunks(items, mid, align, keep_whole) > times:
             lo = mid + 1
         else:
             hi = mid
     return lo
+
+
+def count_chunks(items: Sequence[tuple[int, int, bool, int]], budget: int, align: int, keep_whole: bool) -> int:
+    """``len(chunk_pieces(sizes, budget, align, keep_whole=keep_whole))`` without ramp or tail, from each size's
+    (numel, state bytes, splittable, pad bytes), without building the chunks: the binary searches above call it
+    some twenty times a plan, on up to tens of thousands of params."""
+    budget = max(int(budget), 1)
+    n, used, has = 0, 0, False
+    for numel, nbytes, split, pad in items:
+        if numel < 0 or nbytes < 0:
+            raise ValueError(f"negative size ({numel} elements, {nbytes} bytes)")
+        if not split or (keep_whole and nbytes + pad <= budget) or numel == 0 or nbytes == 0:
+            if has and nbytes and used + nbytes + pad > budget:
+                n, used = n + 1, 0
+            used += nbytes + pad
+            has = True
+            continue
+        if nbytes % numel:
+            raise ValueError(f"splittable param of {numel} elements: state bytes {nbytes} not a multiple of numel")
+        eb, start = nbytes // numel, 0
+        while start < numel:
+            fit = start + max(budget - used - pad, 0) // eb
+            if fit >= numel:
+                stop = numel
+            else:
+                stop = (fit // align) * align
+                if stop <= start:
+                    if has:
+                        n, used, has = n + 1, 0, False
+                        continue
+                    stop = min(numel, start + align)
+            used += (stop - start) * eb + pad
+            has = True
+            start = stop
+    return n + has
+
+
+def _least_time(
+    sizes: Sequence[ParamSize], choices: Sequence[tuple[int, bool]], limit: int, times: int, align: int,
+    ramp: bool, tail: bool, costs: LinkCosts,
+) -> tuple[int, list[Chunk]]:
+    """(budget, chunks) of least modeled time (Note [chunk count from costs]): each of the rules' ``choices``
+    (budget, keep params whole), each also at budgets up to ``limit`` (fewer, larger chunks, never above the
+    user's bound), each with the ends the rules give (Note [ramp]) and with none; then the best of those with
+    each end alone."""
+
+    def plan(b: int, whole: bool, r: Sequence[int], t: Sequence[int]) -> list[Chunk]:
+        return chunk_pieces(sizes, b, align, keep_whole=whole, ramp=r, tail=t)
+
+    def ends(b: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        return (ramp_budgets(b) if ramp else ()), (tail_budgets(b) if tail else ())
+
+    tried: list[tuple[int, bool]] = []
+    for b, whole in choices:
+        # larger budgets keep whole params whole within the count the rules allowed (a larger budget never
+        # needs more chunks), and cut ones within `times`
+        for c in (b, b + (limit - b) // 2, limit) if b < limit else (b,):
+            if (c, whole) not in tried:
+                tried.append((c, whole))
+    options: list[tuple[int, bool, tuple, tuple, list[Chunk]]] = []
+    for b, whole in tried:
+        r, t = ends(b)
+        for rt in dict.fromkeys([(r, t), ((), ())]):
+            options.append((b, whole, *rt, plan(b, whole, *rt)))
+    best = _cheapest([o[4] for o in options], sizes, costs)
+    b, whole, r, t, _ = next(o for o in options if o[4] is best)
+    full_r, full_t = ends(b)
+    for rt in {(full_r, ()), ((), full_t)} - {(r, t), (full_r, full_t), ((), ())}:
+        options.append((b, whole, *rt, plan(b, whole, *rt)))
+    best = _cheapest([o[4] for o in options], sizes, costs)
+    return next((o[0], o[4]) for o in options if o[4] is best)
 
 
 def make_plan(
@@ -331,8 +472,9 @@ def make_plan(
     rounding from adding chunks beyond ``times``. Either way the first chunks ramp up (Note [ramp]),
     unless ``ramp`` is False (the optimizer prefetches its first chunks under the backward: there larger
     first chunks carry more of the first layers in), and the last chunks ramp down unless ``tail`` is False.
-    With ``costs`` those choices (ramp, tail, whole params or cut ones) go to the plan of least modeled time
-    (Note [chunk count from costs]); the chunk budget stays the one these rules give.
+    With ``costs`` those choices (ramp, tail, whole params or cut ones) and the chunk count, down to the fewest
+    chunks within that same bound of 25% more bytes per chunk, go to the plan of least modeled time (Note [chunk
+    count from costs]); with ``chunk_bytes`` the budget stays as given.
     """
     if times < 1:
         raise ValueError(f"swap_optimizer_times must be >= 1, got {times}")
@@ -362,26 +504,23 @@ def make_plan(
         if not keep_whole:
             # Every chunk costs a copy latency each way and a share of the launches: take the fewest chunks
             # that keep params whole within the bound, and the smallest budget that gives that many.
-            fewest = len(chunk_pieces(swapped, limit, align, keep_whole=True))
+            fewest = count_chunks([(s.numel, s.state_bytes, s.splittable, s.pad_bytes) for s in swapped], limit, align, True)
             if fewest <= math.floor(times * EXTRA_CHUNKS):
                 budget = _smallest_budget(swapped, base, limit, fewest, align, keep_whole=True)
                 keep_whole = True
         choices = [(budget, keep_whole)]
         if not keep_whole:
             choices = [(_smallest_budget(swapped, base, max(total, 1), times, align, keep_whole=False), False)]
-        elif costs is not None and budget > base:
+        elif costs is not None:
             # whole params cost a larger budget or extra chunks; cutting them costs copies: model both
             choices.append((_smallest_budget(swapped, base, max(total, 1), times, align, keep_whole=False), False))
-        options = []
-        for b, whole in choices:
-            ramps = ramp_budgets(b) if ramp and times >= RAMP_MIN_CHUNKS else ()
-            tails = tail_budgets(b) if tail and times >= RAMP_MIN_CHUNKS else ()
-            for r, t in _ends(ramps, tails, costs):
-                options.append((b, chunk_pieces(swapped, b, align, keep_whole=whole, ramp=r, tail=t)))
         if costs is None:
-            budget, chunks = options[0]
+            budget, keep_whole = choices[0]
+            ramps = ramp_budgets(budget) if ramp and times >= RAMP_MIN_CHUNKS else ()
+            tails = tail_budgets(budget) if tail and times >= RAMP_MIN_CHUNKS else ()
+            chunks = chunk_pieces(swapped, budget, align, keep_whole=keep_whole, ramp=ramps, tail=tails)
         else:
-            chunks = _cheapest([cs for _, cs in options], swapped, costs)
-            budget = next(b for b, cs in options if cs is chunks)
+            budget, chunks = _least_time(swapped, choices, limit, times, align, ramp and times >= RAMP_MIN_CHUNKS,
+                                         tail and times >= RAMP_MIN_CHUNKS, costs)
     last = {p.index: k for k, c in enumerate(chunks) for p in c.pieces}
     return Plan(tuple(chunks), resident, budget, last)

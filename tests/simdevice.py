@@ -39,7 +39,16 @@ def host_default() -> Iterator[None]:
         torch.set_default_device(previous)
 
 
+def test_flavour() -> str:
+    """The flavour an in-process test simulates: the one the process registered, else SWAPOPT_SIM_PRESET's,
+    else cuda. Never the first activated preset's: a process registers one flavour for good, so a test that
+    borrows the 910b preset's figures would otherwise turn every later test of its worker into an npu one."""
+    return registered_flavour() or process_flavour() or "cuda"  # noqa: F405
+
+
 @contextmanager
 def activate(*args: Any, **kwargs: Any) -> Iterator[Any]:
+    if len(args) < 5:  # flavour not given by position
+        kwargs.setdefault("flavour", test_flavour())
     with _activate(*args, **kwargs) as device, on_device(device):
         yield device

@@ -26,3 +26,14 @@ def test_simops_writes_json_and_markdown(clean_device_env, tmp_path):
             assert row[key] > 0
     md = md_path.read_text()
     assert "test run" in md and "| loop |" in md and all(f"| {loop}:" in md for loop in ITERS)
+
+
+def test_compare_table_gives_each_checkouts_median_and_ratio():
+    from swapopt.bench.simops import compare_table
+
+    cmp = {"checkouts": {"before": "/b", "after": "/a"}, "rows": [
+        {"loop": "mlp", "before": {"median": 60.0, "least": 58.0}, "after": {"median": 45.0, "least": 44.0}},
+    ]}
+    lines = compare_table(cmp).splitlines()
+    assert lines[0] == "| loop | before (us/op) | after (us/op) | after / before |"
+    assert lines[2] == "| mlp | 60.0 (58.0) | 45.0 (44.0) | 0.75 |"

@@ -21,6 +21,15 @@ def test_costs_come_from_the_simulators_preset():
         p.copy_latency_us, p.h2d_gbps, p.d2h_gbps, p.duplex_gbps,
     )
     assert got.host_chunk_us == costs.LAUNCHES_PER_CHUNK * p.launch_us + costs.PYTHON_CHUNK_US
+    # each direction's latency and the rates with both busy, as the simulator times copies
+    for way in ("h2d", "d2h"):
+        assert got.latency_us(way) == pytest.approx(p.latency_us(way))
+        for nbytes in (1 << 20, 64 << 20, 1 << 30):
+            assert got.both_bytes_per_us(way, nbytes) == pytest.approx(p.both_gbps(way, nbytes) * 1e3)
+    assert (got.host_copy_us, got.host_tensor_us) == (p.launch_us, p.host_tensor_us)
+    h100 = costs._named("h100")
+    assert h100.latency_us("h2d") > 10 * h100.latency_us("d2h")  # the H100's H2D copies wait far longer
+    assert h100.both_bytes_per_us("h2d", 256 << 20) == pytest.approx(PRESETS["h100"].both_gbps("h2d", 256 << 20) * 1e3)
 
 
 def test_costs_on_a_device_from_a_calibrated_file_else_the_defaults(tmp_path, monkeypatch):

@@ -59,7 +59,7 @@ def test_env_values_select(clean_device_env):
 @pytest.fixture
 def mocked_npu(clean_device_env):
     """torch_npu importable and torch.npu a simulator, as after `import torch_npu` on an Ascend host."""
-    npu = simulator.SimDevice("910b")
+    npu = simulator.SimDevice("910b", flavour=simulator.test_flavour())
     clean_device_env.setitem(sys.modules, "torch_npu", types.ModuleType("torch_npu"))
     clean_device_env.setattr(torch, "npu", npu, raising=False)
     return npu

@@ -53,6 +53,13 @@ def _run(make, *, steps=STEPS, grad_scale=None, **swap_kw):
     return taken
 
 
+# One chunk; two chunks of whole params; and a fixed budget of 10 KiB, which cuts the 1,500-element param in two
+# (1,024 + 476 elements) and keeps the others whole: chunks of whole params beside chunks with a cut piece, which
+# take the inner step. (swap_optimizer_times=3 made that plan before the planner weighed the link's costs; it now
+# cuts both larger params into three chunks, none of whole params: Note [chunk count from costs].)
+KNOBS = [{"swap_optimizer_times": 1}, {"swap_optimizer_times": 2}, {"chunk_mb": 10_000 / 2**20}]
+
+
 @pytest.mark.parametrize(
     "make",
     [
@@ -64,10 +71,10 @@ def _run(make, *, steps=STEPS, grad_scale=None, **swap_kw):
     ],
     ids=["adamw-fused", "adamw-foreach", "adam-forloop-amsgrad-maximize", "adam-fused-tensor-lr", "adam-groups"],
 )
-@pytest.mark.parametrize("times", [1, 3])
-def test_direct_step_is_bitwise_and_taken(make, times):
-    taken = _run(make, swap_optimizer_times=times)
-    assert taken and all(taken)  # every chunk after the first step went the direct way
+@pytest.mark.parametrize("knobs", KNOBS, ids=["times1", "times2", "mixed"])
+def test_direct_step_is_bitwise_and_taken(make, knobs):
+    taken = _run(make, **knobs)
+    assert taken and all(taken)  # every chunk of whole params after the first step went the direct way
 
 
 def test_direct_step_passes_grad_scaler_attributes():

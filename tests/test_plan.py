@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -10,6 +11,7 @@ from hypothesis import strategies as st
 
 from swapopt.plan import (
     EXTRA_CHUNKS, RAMP, RAMP_MIN_BYTES, RAMP_MIN_CHUNKS, Chunk, LinkCosts, ParamSize, Piece, budget_for, chunk_pieces,
+    count_chunks,
     estimate_us, make_plan,
     pick_resident, ramp_budgets, tail_budgets,
 )
@@ -50,6 +52,13 @@ def _check_cover(sizes, chunks):
         for p in pieces:
             assert p.stop == s.numel or p.stop % ALIGN == 0, "cut not aligned"
             assert p.numel > 0 or s.numel == 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(param_sizes(), st.integers(1, 3000), st.booleans())
+def test_count_chunks_is_the_count_of_chunk_pieces(sizes, budget, whole):
+    items = [(s.numel, s.state_bytes, s.splittable, s.pad_bytes) for s in sizes]
+    assert count_chunks(items, budget, ALIGN, whole) == len(chunk_pieces(sizes, budget, ALIGN, keep_whole=whole))
 
 
 @settings(max_examples=300, deadline=None)
@@ -270,6 +279,13 @@ def test_tail_makes_the_last_chunks_smaller():
 
 # ----- Note [chunk count from costs] -------------------------------------------------------------------------
 H100_LIKE = LinkCosts(copy_latency_us=15.0, h2d_gbps=55.0, d2h_gbps=55.0, duplex_gbps=105.0, host_chunk_us=55.0)
+# The h100 preset's link as swapopt.costs reads it: H2D copies pay 28 us of latency, D2H ones 2 us; with both
+# busy, copies up to 16 MiB keep 55 GB/s in and 50 GB/s out.
+H100 = LinkCosts(
+    copy_latency_us=15.1, h2d_gbps=55.16, d2h_gbps=55.13, duplex_gbps=105.35, host_chunk_us=54.68,
+    h2d_latency_share=0.9354, duplex_table=((16 << 20, 55.16, 50.19), (256 << 20, 34.6, 47.08), (1 << 30, 44.14, 51.61)),
+    host_copy_us=6.17, host_tensor_us=0.834,
+)
 
 
 def _fsdp_like(n: int = 291, each: int = 180_000) -> list[ParamSize]:
@@ -277,20 +293,48 @@ def _fsdp_like(n: int = 291, each: int = 180_000) -> list[ParamSize]:
     return [ParamSize(i, each, each * 8, splittable=True, regions=2) for i in range(n)]
 
 
-def test_costs_choose_the_plan_of_least_modeled_time():
+def _bound(sizes: list[ParamSize], times: int) -> int:
+    """The user's bound on a chunk's bytes: a quarter above an even split (docs/optimizer.md)."""
+    base = budget_for(sum(s.state_bytes + s.pad_bytes for s in sizes), times)
+    return base + base // 4
+
+
+@pytest.mark.parametrize("costs", [H100_LIKE, H100], ids=["even", "h100"])
+def test_costs_choose_the_plan_of_least_modeled_time(costs):
     sizes = _fsdp_like()
     for times in (16, 64):
         plain = make_plan(sizes, times=times)
-        costed = make_plan(sizes, times=times, costs=H100_LIKE)
+        costed = make_plan(sizes, times=times, costs=costs)
+        _check_cover(sizes, costed.chunks)
         # the user's bound on chunk bytes holds either way
-        assert costed.budget <= plain.budget
-        assert costed.max_chunk_bytes <= plain.max_chunk_bytes
-        assert estimate_us(costed.chunks, sizes, H100_LIKE) <= estimate_us(plain.chunks, sizes, H100_LIKE)
+        assert costed.max_chunk_bytes <= _bound(sizes, times) and costed.budget <= _bound(sizes, times)
+        assert estimate_us(costed.chunks, sizes, costs) <= estimate_us(plain.chunks, sizes, costs)
         assert sum(c.nbytes for c in costed.chunks) >= sum(s.state_bytes for s in sizes)
+        # fewer chunks than the rules' plan: larger ones up to the bound, and (at 64) no ramp or tail
+        assert len(costed.chunks) < len(plain.chunks)
     # at 64 chunks of ~3 MiB a ramp chunk's copy is shorter than what a chunk costs: no ramp, no tail
     p64 = make_plan(sizes, times=64, costs=H100_LIKE)
-    assert len(p64.chunks) < len(make_plan(sizes, times=64).chunks)
-    assert len(p64.chunks) <= 64 + 1
+    assert len(p64.chunks) < 64 and p64.chunks[0].nbytes > p64.budget // 2
+
+
+def test_fewer_chunks_only_where_chunks_cost_more_than_they_save():
+    sizes = _fsdp_like()
+    # a link whose copies and chunks cost nothing but their bytes: the even split and its ramp, as the rules give
+    free = LinkCosts(copy_latency_us=0.0, h2d_gbps=55.0, d2h_gbps=55.0, duplex_gbps=110.0, host_chunk_us=0.0)
+    for times in (16, 64):
+        assert len(make_plan(sizes, times=times, costs=free).chunks) >= times
+    # with the H100's latencies the fewest chunks within the bound: none of the budgets tried below the bound
+    # models faster, and a larger one would break it
+    plan = make_plan(sizes, times=64, costs=H100)
+    bound = _bound(sizes, 64)
+    best = estimate_us(plan.chunks, sizes, H100)
+    for b in range(budget_for(sum(s.state_bytes for s in sizes), 64), bound + 1, bound // 64):
+        for whole in (True, False):
+            assert best <= estimate_us(chunk_pieces(sizes, b, 512, keep_whole=whole), sizes, H100) + 1e-6
+    # more chunks asked for means smaller chunks, never larger ones: the memory bound wins over the time
+    sizes_for = {t: make_plan(sizes, times=t, costs=H100).max_chunk_bytes for t in (8, 16, 32, 64)}
+    assert list(sizes_for.values()) == sorted(sizes_for.values(), reverse=True)
+    assert all(n <= _bound(sizes, t) for t, n in sizes_for.items())
 
 
 def test_costs_keep_a_ramp_that_pays_for_itself():
@@ -300,6 +344,12 @@ def test_costs_keep_a_ramp_that_pays_for_itself():
     plan = make_plan(sizes, times=16, costs=H100_LIKE)
     assert plan.chunks[0].nbytes < plan.budget // 2
     assert plan.chunks[-1].nbytes < plan.budget // 2
+    # On the H100's link an H2D copy of 64-512 MiB keeps only 35-40 GB/s beside a D2H one, against 55 GB/s alone:
+    # a ramp moves swap-in bytes from the first copy, alone, to copies beside swap-outs, where H2D is the slower
+    # direction, and costs more than it saves. The tail moves swap-out bytes the other way, and pays.
+    plan = make_plan(sizes, times=16, costs=H100)
+    assert plan.chunks[-1].nbytes < plan.budget // 2
+    assert estimate_us(plan.chunks, sizes, H100) < estimate_us(make_plan(sizes, times=16).chunks, sizes, H100)
 
 
 def test_estimate_counts_latency_host_and_fill():
@@ -307,9 +357,28 @@ def test_estimate_counts_latency_host_and_fill():
     sizes = [ParamSize(0, 1000, 8000, splittable=True, regions=2)]
     one = [Chunk((Piece(0, 0, 1000),), 8000)]
     two = [Chunk((Piece(0, 0, 500),), 4000), Chunk((Piece(0, 500, 1000),), 4000)]
-    # bytes per us: 1e3 each way alone, 1e3 each with both busy
-    assert estimate_us(one, sizes, costs) == pytest.approx(8 + 8 + 10 + 8)
-    # each piece of the cut param costs a copy per state beyond its chunk's own: 2 x (1 + 2) copies
-    assert estimate_us(two, sizes, costs) == pytest.approx(4 + 4 + 6 * 10 + 8)
-    busy_host = LinkCosts(copy_latency_us=0.0, h2d_gbps=1.0, d2h_gbps=1.0, duplex_gbps=2.0, host_chunk_us=100.0)
-    assert estimate_us(two, sizes, busy_host) == pytest.approx(4 + 4 + 200)
+    # bytes per us: 1e3 each way alone, 1e3 each with both busy. One chunk: its swap-in and swap-out alone, each
+    # a latency and its bytes.
+    assert estimate_us(one, sizes, costs) == pytest.approx((10 + 8) + (10 + 8))
+    # each piece of the cut param is two copies each way (its states lie whole, one range each): the first
+    # swap-in and the last swap-out alone, the second swap-in beside the first swap-out
+    assert estimate_us(two, sizes, costs) == pytest.approx((2 * 10 + 4) + (2 * 10 + 4) + (2 * 10 + 4))
+    busy_host = LinkCosts(copy_latency_us=0.0, h2d_gbps=1.0, d2h_gbps=1.0, duplex_gbps=2.0, host_chunk_us=100.0,
+                          host_copy_us=5.0, host_tensor_us=1.0)
+    # the host issues each chunk (100 us), the cut piece's second copy each way and the copy of its step (3 x 5 us)
+    # and 5 tensors a piece (param, grad, step and 2 states)
+    assert estimate_us(two, sizes, busy_host) == pytest.approx(4 + 4 + 2 * (100 + 15 + 5))
+    # each direction its own latency: an H2D copy waiting 18 us, a D2H one 2 us (share 0.9 of 2 x 10 us)
+    skewed = dataclasses.replace(costs, h2d_latency_share=0.9)
+    assert estimate_us(one, sizes, skewed) == pytest.approx((18 + 8) + (2 + 8))
+
+
+def test_link_costs_rates_with_both_busy():
+    # no table: half the cap each; a table: its rate at the copy's size, interpolated in log size, clamped
+    assert H100_LIKE.both_bytes_per_us("h2d", 1 << 20) == pytest.approx(52.5e3)
+    assert H100.both_bytes_per_us("h2d", 1 << 20) == pytest.approx(55.16e3)
+    assert H100.both_bytes_per_us("d2h", 64 << 20) == pytest.approx((50.19 + (47.08 - 50.19) / 2) * 1e3)
+    assert H100.both_bytes_per_us("h2d", 4 << 30) == pytest.approx(44.14e3)
+    assert (H100.latency_us("h2d"), H100.latency_us("d2h")) == pytest.approx((28.249, 1.951), abs=1e-3)
+    with pytest.raises(ValueError, match="duplex_table"):
+        LinkCosts(1.0, 1.0, 1.0, 2.0, 1.0, duplex_table=((2.0, 1.0, 1.0), (1.0, 1.0, 1.0)))

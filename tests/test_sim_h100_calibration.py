@@ -46,11 +46,26 @@ def test_the_h100_preset_is_the_fit_of_the_committed_run(measured):
     assert (H100.hbm_gbps, H100.bf16_tflops, H100.launch_us) == pytest.approx((3075, 794, 6.17), rel=1e-3)
     assert H100.capacity_bytes == measured.capacity_bytes
     # Every measured figure names the run: device, driver, date and file.
+    host_figures = ("host_tensor_us", "host_ref_us", "launcher_tensor_us")
     for name in ("h2d_gbps", "d2h_gbps", "duplex_gbps", "copy_latency_us", "duplex_table", "hbm_gbps", "bf16_tflops",
-                 "launch_us", "capacity_bytes", "host_tensor_us"):
+                 "launch_us", "capacity_bytes", *host_figures):
         source = H100.sources[name]
-        assert all(part in source for part in ("2026-11-26", "H100", "580.159.04", ".json" if name != "host_tensor_us"
-                                               else "verify-b-bench-peers.md")), (name, source)
+        assert all(part in source for part in ("2026-11-26", "H100", "580.159.04", ".json" if name not in host_figures
+                                               else "bench/results/cuda-h100-2026-11-26-verify-b.md")), (name, source)
+
+
+def test_the_h100_host_figures_are_the_layout_rows():
+    """host_tensor_us is tiny10k's resident fused AdamW step on the H100, a step its host sets (34.792 ms,
+    bench/results/cuda-h100-2026-11-26-verify-b.md, Layouts), per tensor beyond two of its two ops; the modeled
+    resident step on the ops clock comes back to that step."""
+    assert H100.host_tensor_us == pytest.approx(H100.measured["host_tensor_us"], rel=1e-3)
+    tensors_beyond_two = 10_000 + 5 * 10_000 - 2 * 2  # _foreach_add_ over the steps, _fused_adamw_ over 5 lists
+    step_us = 2 * H100.measured["launch_us"] + tensors_beyond_two * H100.measured["host_tensor_us"] + 13.3
+    assert step_us == pytest.approx(34_792.0, rel=1e-9)
+    # The measured clock's launcher share is a part of that per-tensor time, never more.
+    assert 0 < H100.launcher_tensor_us <= H100.host_tensor_us
+    assert H100.measured["launcher_tensor_us"] == H100.launcher_tensor_us
+    assert H100.measured["host_ref_us"] == H100.host_ref_us > 0
 
 
 def _alone_us(preset: SimPreset, direction: str, nbytes: int, repeats: int) -> float:

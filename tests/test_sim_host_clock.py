@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import simdevice as simulator
+from device.sim import host_time
 from device.sim.timeline import HOST_CLOCK_ENV, Timeline
 
 H100 = simulator.PRESETS["h100"]
@@ -74,7 +75,8 @@ def _busy(seconds: float) -> None:
 @pytest.mark.parametrize("clock", ["ops", "measured"])
 def test_measured_clock_adds_the_programs_own_python(clean_device_env, clock):
     clean_device_env.setenv(HOST_CLOCK_ENV, clock)
-    with simulator.activate("h100", sanitize=False) as sim:
+    # Without host_ref_us the measured clock charges this machine's Python as it is.
+    with simulator.activate(dataclasses.replace(H100, host_ref_us=0.0), sanitize=False) as sim:
         x = torch.zeros(4)
         x.add_(1)
         start = sim.now_us()
@@ -84,7 +86,44 @@ def test_measured_clock_adds_the_programs_own_python(clean_device_env, clock):
     if clock == "ops":
         assert spent == pytest.approx(H100.launch_us)
     else:
-        assert spent >= 20_000 + H100.launch_us
+        # Less one entry into the simulator (microseconds, Note [scaled Python] in device/sim/host_time.py).
+        assert 19_900 + H100.launch_us <= spent < 40_000
+
+
+def test_measured_clock_scales_python_to_the_device_host(clean_device_env):
+    """The program's Python is charged at the device host's speed: this machine's CPU time times host_ref_us over
+    this machine's time for the same reference work; the per-tensor charge is then the launcher's part alone."""
+    clean_device_env.setenv(HOST_CLOCK_ENV, "measured")
+    assert H100.host_ref_us > 0 and 0 < H100.launcher_tensor_us <= H100.host_tensor_us
+    with simulator.activate("h100", sanitize=False) as sim:
+        scale = sim._timeline.python_scale
+        assert 0 < scale < 1  # the H100's host runs this Python faster than a shared CI core
+        x = torch.zeros(4)
+        xs = [torch.zeros(4) for _ in range(10)]
+        x.add_(1)
+        start = sim.now_us()
+        _busy(0.05)
+        torch._foreach_add_(xs, 1.0)
+        spent = sim.now_us() - start
+    issue = H100.launch_us + 8 * H100.launcher_tensor_us
+    assert 0.95 * (50_000 * scale) + issue <= spent <= 1.1 * (50_000 * scale) + issue
+
+
+def test_measured_clock_does_not_charge_the_simulators_entry(clean_device_env):
+    """Ops issued back to back with no Python between them: what entering the simulator costs on this machine is
+    taken out, so the clock advances by well under what this machine spends per op outside the simulator's
+    frames."""
+    clean_device_env.setenv(HOST_CLOCK_ENV, "measured")
+    with simulator.activate(dataclasses.replace(H100, host_ref_us=0.0), sanitize=False) as sim:
+        x = torch.zeros(4)
+        x.add_(1)
+        start = sim.now_us()
+        for _ in range(200):
+            x.add_(1)
+        python_us = (sim.now_us() - start) / 200 - H100.launch_us
+    entry_us, _ = host_time.entry_costs()
+    assert entry_us > 0
+    assert python_us < 2 * entry_us
 
 
 def test_unknown_host_clock_is_refused(monkeypatch):

@@ -68,3 +68,21 @@ def test_simulator_ops_and_streams_are_simulator_frames(sim):
     before = host_time.seconds()
     _spin(0.02)
     assert host_time.seconds() == before
+
+
+def test_the_reference_work_is_timed_as_cpu_time():
+    """reference_us() is the yardstick of a host's Python speed (Note [scaled Python]): a CPU time that does not
+    count time the thread spends off the CPU, stable to within a few percent between two timings."""
+    first = host_time.reference_us()
+    time.sleep(0.05)
+    second = host_time.reference_us()
+    assert 100 < first < 1e6
+    assert 0.5 < first / second < 2.0
+    assert host_time.reference_work() == host_time.reference_work()
+
+
+def test_entry_costs_are_per_entry_and_per_tensor():
+    per_entry, per_tensor = host_time.entry_costs()
+    assert 0 < per_entry < 100  # microseconds
+    assert 0 <= per_tensor < per_entry
+    assert host_time.entry_costs() == (per_entry, per_tensor)  # measured once per process

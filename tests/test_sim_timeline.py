@@ -411,6 +411,38 @@ def test_one_gb_each_way_at_once_takes_two_gb_over_the_cap():
         assert both > max(preset.latency_us(d) + GB / (preset.alone_gbps(d) * 1e3) for d in ("h2d", "d2h"))
 
 
+def test_a_copy_after_both_directions_drained_pays_no_debt():
+    """Under "sized" the debt carries only while the link stays busy: an H2D copy the host issues alone after a
+    both-busy run has drained moves at its rate alone, as the H100 did (bench/results/cuda-h100-2026-11-26-verify-a.md: H2D alone at
+    51.9-55.1 GB/s at 16 MB-1 GB, each size timed after the previous size's both-busy copies); while the other
+    direction is still busy it pays what its direction owes."""
+    size, reps = 134_761_944, 4  # the layout bench's probe copies on llama7b (bench/results/
+    # sim-h100-2026-11-26-fidelity-e190371.md: 42.7 GB/s alone after both with the debt kept, 54.5 before)
+    timeline = Timeline(dataclasses.replace(H100, launch_us=0.0))
+    tails = {"h2d": 0.0, "d2h": 0.0}
+    for _ in range(reps):
+        for d in ("h2d", "d2h"):
+            tails[d] = timeline.launch(d, tails[d], d, size, "copy", None).end_us
+    assert timeline._debt["h2d"] > 0  # the H2D copies, scheduled first each time, moved over their both-busy rate
+    drained = max(tails.values())
+    timeline.wait_host(drained)  # a synchronize: the host sees both directions drained
+    alone = timeline.launch("h2d", drained, "h2d", size, "copy", None)
+    assert alone.end_us - alone.start_us == pytest.approx(H100.latency_us("h2d") + size / (H100.h2d_gbps * 1e3))
+    assert timeline._debt == {"h2d": 0.0, "d2h": 0.0}
+    # The same run with the next H2D copy issued while D2H is still busy: it moves the debt first.
+    timeline = Timeline(dataclasses.replace(H100, launch_us=0.0))
+    tails = {"h2d": 0.0, "d2h": 0.0}
+    for _ in range(reps):
+        for d in ("h2d", "d2h"):
+            tails[d] = timeline.launch(d, tails[d], d, size, "copy", None).end_us
+    timeline.launch("d2h", tails["d2h"], "d2h", size, "copy", None)  # D2H still busy when the next H2D starts
+    owed = timeline._debt["h2d"]
+    assert owed > 0
+    busy = timeline.launch("h2d", tails["h2d"], "h2d", size, "copy", None)
+    free = H100.latency_us("h2d") + size / (H100.h2d_gbps * 1e3)
+    assert busy.end_us - busy.start_us > free + 0.5 * owed / (H100.h2d_gbps * 1e3)
+
+
 class _RecordingTimeline(Timeline):
     """Keeps every flow segment the model schedules, which the timeline itself prunes."""
 

@@ -87,9 +87,10 @@ def test_a_step_with_no_state_dict_alive_does_not_wait(sim):
     model, opt, _, _ = pair()
     sd = opt.state_dict()
     del sd
+    # Held across the step: fetching opt.state after it would wait (Note [reading states] in swapopt/optimizer.py).
+    state = next(iter(opt.state.values()))
     forward_backward(model, 2)
     opt.step()
-    state = next(iter(opt.state.values()))
     with pytest.raises(StreamRaceError):  # the swap-outs are still in flight: reading needs the wait
         torch.save(state["exp_avg"], io.BytesIO())
     opt.wait_for_swap_out()

@@ -4,8 +4,9 @@ tests/torch_test_optim_run.py runs the file, as torch instantiates it for a devi
 (the baseline), the simulated device (its PrivateUse1 type, instantiated as for cuda), and the simulated device with
 every optimizer wrapped in SwapOptimizer. Every test that passes on the CPU must pass on the simulated device, and
 wrapped too except where SwapOptimizer refuses what docs/optimizer.md says it refuses (sparse gradients, LBFGS,
-SparseAdam, differentiable=True) and where a test reads `opt.state` right after a step without the
-`wait_for_swap_out()` docs/optimizer.md asks for (the sanitizer reports that race, which hardware has too).
+SparseAdam, differentiable=True) and where a test reads states through a reference held across a step without
+the `wait_for_swap_out()` docs/optimizer.md asks for (the sanitizer reports that race, which hardware has too;
+fetching `opt.state` after the step waits by itself).
 
 torch's wheel does not ship test_optim.py: the live checks need SWAPOPT_TORCH_TEST_OPTIM (a PyTorch checkout's
 test/test_optim.py) and skip without it. They run a fixed sample (SAMPLE) to stay quick; the whole file's outcomes,

@@ -6,6 +6,7 @@ Needs XTuner v1 (see tests/xtuner_real.py and tests/xtuner_check.sh); skips with
 
 from __future__ import annotations
 
+import importlib.machinery
 import math
 import os
 
@@ -14,8 +15,9 @@ import torch
 import xtuner_real  # before XTuner: it may put a checkout on sys.path
 from dist_utils import launch
 
-# Imported at collection, before any simulator is active: XTuner resolves its device at import and must see the
-# host (tests/xtuner_real.py).
+# Imported at collection, before any simulator is active: XTuner resolves its device at import and here sees the
+# host, so the 1-rank test runs without triton (XTuner's cuda modules import it). The 2-rank test's ranks import it
+# under the simulator and see cuda. tests/xtuner_moe_ops.py replaces the MoE kernels that cannot run in either case.
 HAVE_MOE = all(
     xtuner_real.xtuner_module(m) is not None for m in ("xtuner.v1.config.optim", "xtuner.v1.model.moe.qwen3")
 )
@@ -93,9 +95,18 @@ def test_moe_trains_saves_and_resumes_bitwise_with_experts_chunked(pg, moe_ops, 
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(
+    importlib.machinery.PathFinder.find_spec("triton", xtuner_real.cuda_paths()) is None,
+    reason="the ranks run the simulator's cuda flavour, where XTuner's MoE model imports triton: set "
+    "SWAPOPT_TRITON_PATH (and SWAPOPT_PKG_RESOURCES_PATH) as tests/xtuner_real.py says",
+)
 def test_two_rank_moe_trains_and_resumes_bitwise(tmp_path, monkeypatch):
+    """The ranks import XTuner after the simulator is up (SWAPOPT_DEVICE=sim), so XTuner resolves cuda there and
+    runs its cuda MoE layers, its Triton grouped GEMM replaced (tests/xtuner_moe_ops.py)."""
     src = os.environ.get("SWAPOPT_XTUNER_SRC")
-    if src:  # the ranks find XTuner the same way
-        monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")])))
+    # the ranks find XTuner the same way, and triton (and pkg_resources) on the paths of their processes only
+    paths = [*xtuner_real.cuda_paths(), *filter(None, [src, os.environ.get("PYTHONPATH")])]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(paths))
     launch("xtuner_dist_rank.py", 2, "moe", str(tmp_path), timeout=420)
-    assert (tmp_path / "moe.ok").read_text().startswith("xtuner.")
+    module, resolved = (tmp_path / "moe.ok").read_text().split()
+    assert module.startswith("xtuner.") and resolved == "cuda"

@@ -278,10 +278,11 @@ REFUSALS = {
     "SparseAdam": "SparseAdam cannot be swapped",
     "differentiable=True": "has differentiable=True",
 }
-# What docs/optimizer.md asks of a program that reads the states itself: `opt.wait_for_swap_out()` before reading
-# `opt.state[p][...]` after a step. A test that reads them right after step() races with the step's swap-outs
-# (on hardware too), and the sanitizer says so, naming the swap-out.
-UNWAITED_READ = ("opt.state read before wait_for_swap_out", "(in 'swapopt.swap_out")
+# What docs/optimizer.md asks of a program that holds a reference to the states across a step: fetching
+# `opt.state` after step() waits for the step's swap-outs (Note [reading states] in swapopt/optimizer.py), but a
+# dict or tensor taken before the step and read after it needs `opt.wait_for_swap_out()` first; without it the
+# read races with the swap-outs (on hardware too), and the sanitizer says so, naming the swap-out.
+UNWAITED_READ = ("state held across a step, read before wait_for_swap_out", "(in 'swapopt.swap_out")
 DOCUMENTED = {**REFUSALS, UNWAITED_READ[0]: UNWAITED_READ[1]}
 # A test torch itself runs on the CPU only (@onlyCPU): skipped for any other device type, CUDA's included.
 CPU_ONLY = "Only runs on cpu"

@@ -130,7 +130,9 @@ def moe(out: Path) -> None:
             train(resumed, 2, 2)
             assert_same(snapshot(resumed), expected)
     if dist.get_rank() == 0:
-        (out / "moe.ok").write_text(cls.__module__)
+        from xtuner.v1.utils.device import get_device
+
+        (out / "moe.ok").write_text(f"{cls.__module__} {get_device()}")  # the device XTuner resolved
 
 
 def main() -> None:

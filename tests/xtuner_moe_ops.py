@@ -2,9 +2,8 @@
 
 XTuner v1 picks its MoE kernels once, at import, by device: CUDA uses the ``grouped_gemm`` extension and Triton,
 NPU uses torch_npu / MindSpeed ops, and the CPU entries (``xtuner/v1/ops/moe/protocol.py``) raise
-NotImplementedError. The simulator runs torch's CPU kernels, and XTuner is imported there as if on the CPU (see
-``tests/xtuner_real.py``), so its MoE layers would stop at the first permute. ``install()`` puts these in place of
-the CPU stubs, with the same signatures (``GroupGemmProtocol``, ``MoePermuteProtocol``, ``MoeUnpermuteProtocol``):
+NotImplementedError. ``install()`` puts these in place of the kernels that cannot run on the simulator, with the
+same signatures (``GroupGemmProtocol``, ``MoePermuteProtocol``, ``MoeUnpermuteProtocol``):
 
 - ``permute(x [T, H], indices [T, K])`` -> rows of ``x`` ordered by expert id (stable), ``row_id_map``;
 - ``unpermute(y [T*K, H], row_id_map, probs [T, K])`` -> ``sum_k probs[t, k] * y[row of (t, k)]``;
@@ -14,9 +13,17 @@ They are built from deterministic torch ops (a stable sort, index_select / index
 backward, so two runs of the same model and batch give bitwise the same grads: what the optimizer tests compare.
 The numbers are not those of XTuner's fused kernels (different summation order), which no test here relies on.
 
-Where the CPU kernels lack a dtype that CUDA has, the same applies: ``torch.histc`` on integer ids (XTuner's
-routers count tokens per expert that way) runs on CUDA but not on the CPU; ``histc`` below counts integer ids
-through a float copy (exact for ids below 2**24) and is installed for the duration of ``install()``'s context.
+Which ones depends on the device XTuner resolved at import:
+- cuda (the 2-rank test: its ranks import XTuner after the simulator is up, SWAPOPT_DEVICE=sim): the grouped GEMM
+  only. On cuda XTuner's grouped GEMM is always a GPU kernel, picked at import: its Triton kernels
+  (``m_grouped_gemm`` / ``k_grouped_gemm``, xtuner/v1/ops/moe/cuda/group_gemm.py) or, with
+  ``XTUNER_USE_CUTLASS_GROUP_GEMM=1``, a CUTLASS extension; no config picks torch ops, and neither can run without
+  a GPU. Its cuda permute and unpermute are torch ops (``cuda_token_permute_torch``, used when the ``grouped_gemm``
+  extension is not installed) and run as they are.
+- cpu (the 1-rank test, in the test process: XTuner is imported at collection, before a simulator is up, so that
+  the test runs without triton, which XTuner's cuda modules import): all three CPU stubs.
+The npu flavour would need the grouped GEMM replaced too: there it is MindSpeed's ``Ops.gmm``, whose ``npu_gmm``
+builds and loads an Ascend operator extension (mindspeed/ops/gmm.py: ``GMMOpBuilder().load()``), which needs CANN.
 """
 
 from __future__ import annotations
@@ -52,43 +59,38 @@ def group_gemm(x, weights, split_sizes):
     return torch.cat([part @ weights[e].transpose(0, 1) for e, part in enumerate(parts)], dim=0)
 
 
-_histc = torch.histc
-
-
-def histc(input, bins=100, min=0, max=0, *, out=None):
-    if input.is_floating_point():
-        return _histc(input, bins=bins, min=min, max=max, out=out)
-    counted = _histc(input.float(), bins=bins, min=min, max=max).to(input.dtype)
-    return counted if out is None else out.copy_(counted)
-
-
 _NAMES = {"permute": permute, "unpermute": unpermute, "group_gemm": group_gemm}
 
 
 @contextmanager
 def install() -> Iterator[None]:
-    """Replace XTuner's CPU MoE stubs (wherever a module imported them by name) and integer ``torch.histc``,
-    for the block."""
+    """Replace, for the block, the MoE kernels XTuner picked that cannot run here (wherever a module imported them by
+    name). With XTuner resolving cpu: its three CPU stubs. With XTuner resolving cuda (the simulated device): its
+    Triton grouped GEMM only; its cuda permute and unpermute are torch ops and run as they are."""
     from xtuner.v1.ops.moe import protocol
+    from xtuner.v1.utils.device import get_device
 
-    stubs = {
-        "permute": protocol.cpu_permute, "unpermute": protocol.cpu_unpermute, "group_gemm": protocol.cpu_group_gemm,
-    }  # fmt: skip
+    if get_device() == "cuda":
+        from xtuner.v1.ops.moe.cuda.group_gemm import triton_group_gemm
+
+        stubs = {"group_gemm": triton_group_gemm}
+    else:
+        stubs = {
+            "permute": protocol.cpu_permute, "unpermute": protocol.cpu_unpermute, "group_gemm": protocol.cpu_group_gemm,
+        }  # fmt: skip
     swapped = []
     for name, module in list(sys.modules.items()):
         if not name.startswith("xtuner.") or module is None:
             continue
-        for attr in ("permute", "unpermute", "group_gemm"):
+        for attr in stubs:
             current = module.__dict__.get(attr)
             if current is stubs[attr]:
                 swapped.append((module, attr, current))
                 setattr(module, attr, _NAMES[attr])
     if not swapped:
-        raise RuntimeError("XTuner's CPU MoE kernels were not found: is XTuner imported as on the CPU?")
-    torch.histc = histc
+        raise RuntimeError(f"XTuner's {get_device()} MoE kernels {sorted(stubs)} were not found")
     try:
         yield
     finally:
-        torch.histc = _histc
         for module, attr, current in swapped:
             setattr(module, attr, current)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import importlib.machinery
+import itertools
 import sys
 import types
 from typing import Any
@@ -81,8 +82,11 @@ _PRIVATE_USE1 = torch._C._autograd.DeviceType.PrivateUse1
 
 
 class _Guard(getattr(getattr(torch._C, "_acc", None), "DeviceGuard", object)):  # type: ignore[misc]
-    def type_(self) -> Any:  # asked for every device guard the autograd engine takes
-        return _PRIVATE_USE1
+    # Asked from C++ for every device and stream guard the autograd engine takes (about two per op of a
+    # backward pass). A constant's iterator method answers it without a Python frame: pybind11 calls whatever
+    # `type_` the instance has, and takes anything but a C++ function (PyCFunction) for an override (a
+    # method-wrapper is not one, and binds to no instance).
+    type_ = itertools.repeat(_PRIVATE_USE1).__next__
 
 
 class DeviceModule(types.ModuleType):

@@ -77,7 +77,8 @@ def _matmul_dims(a: Sequence[int], b: Sequence[int]) -> float:
     """Multiply-adds of torch.matmul(a, b) with its 1-D promotion and batch broadcasting."""
     a2 = (1, *a) if len(a) == 1 else tuple(a)
     b2 = (*b, 1) if len(b) == 1 else tuple(b)
-    batch = torch.broadcast_shapes(a2[:-2], b2[:-2])
+    # No batch dims (mm, addmm, mv): nothing to broadcast (torch.broadcast_shapes costs microseconds per op).
+    batch = torch.broadcast_shapes(a2[:-2], b2[:-2]) if len(a2) > 2 or len(b2) > 2 else ()
     return math.prod(batch) * a2[-2] * a2[-1] * b2[-1]
 
 

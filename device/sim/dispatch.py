@@ -7,7 +7,6 @@ timeline (device/sim/timeline.py)."""
 
 from __future__ import annotations
 
-import math
 from typing import Any, NamedTuple
 
 import torch
@@ -17,9 +16,10 @@ from device.sim import kernels, npu_ops
 from device.sim.accesses import DEVICE, HOST_MEM, HOST_OUT, PINNED_OUT, op_lane
 from device.sim.accesses import Arg as _Arg
 from device.sim.costs import op_flops, priced_by_flops
-from device.sim.memory import Block, OutOfMemoryError
-from device.sim.ops import OpInfo, fresh_returns, arg_value, factory_bytes, fresh_outputs, new_outputs, op_info, tensors
-from device.sim.tensor import _CPU, _MIX_FREE, SimTensor, _check_same_device, _sync_metadata, _unwrap, wrap_outputs
+from device.sim.memory import OutOfMemoryError
+from device.sim.ops import OpInfo, fresh_returns, factory_bytes, fresh_outputs, new_outputs, op_info, tensors
+from device.sim.tensor import _CPU, _META_INPLACE, _MIX_FREE, SimTensor, _check_same_device, _sync_metadata, _unwrap
+from device.sim.tensor import wrap, wrap_outputs
 from device.sim.tensor import check_fused_optimizer, is_fused_optimizer
 from device.sim.timeline import Timeline
 
@@ -42,6 +42,8 @@ class _Plan(NamedTuple):
     npu_kind: str | None  # how the npu flavour runs it (device.sim.kernels.npu_kind)
     fresh: tuple[bool, ...]  # per return: aliases no input (device.sim.ops.fresh_outputs)
     flops: bool  # priced by arithmetic as well as bytes (device.sim.costs.priced_by_flops)
+    view: bool  # only looks at its tensors and allocates nothing: a view or metadata op (Dispatch._view_op)
+    call: Any  # what runs the op: its C++ callable (OpOverload.__call__ is one more Python frame per op)
     func: Any  # the op itself: kept alive, so that its id stays its own while _PLANS holds the plan
 
 
@@ -60,20 +62,42 @@ def _make_plan(func: Any) -> _Plan:
     op = op_info(func)
     packet = func.overloadpacket
     fused = is_fused_optimizer(func)
+    pins = packet is torch.ops.aten.is_pinned or packet is torch.ops.aten._pin_memory
+    has_out = any(role == "o" for _, _, role in op.roles)
+    kernel = kernels.device_kernel(func)
+    npu_kind = kernels.npu_kind(func)
+    profiler = func.namespace == "profiler"
+    # Arguments that place or pin new tensors take _device_dispatch's own branches.
+    placing = any(a.name in ("device", "pin_memory", "non_blocking") for a in func._schema.arguments)
+    view = (
+        not profiler and not fused and not pins and not has_out and not placing and kernel is None and npu_kind is None
+        and not op.new_outputs and not op.resize and not op.copy and packet not in _META_INPLACE
+        and func.namespace == "aten" and all(role == "v" for _, _, role in op.roles)
+    )  # fmt: skip
     return _Plan(
         op=op,
         packet=packet,
-        profiler=func.namespace == "profiler",
+        profiler=profiler,
         fused=fused,
         same_device=not (fused or packet in _MIX_FREE or op.copy),
-        pins=packet is torch.ops.aten.is_pinned or packet is torch.ops.aten._pin_memory,
-        has_out=any(role == "o" for _, _, role in op.roles),
-        kernel=kernels.device_kernel(func),
-        npu_kind=kernels.npu_kind(func),
+        pins=pins,
+        has_out=has_out,
+        kernel=kernel,
+        npu_kind=npu_kind,
         fresh=fresh_returns(func),
         flops=priced_by_flops(func),
+        view=view,
+        call=func._op if type(func) is torch._ops.OpOverload else func,
         func=func,
     )
+
+
+def _holds_tensors(value: Any) -> bool:
+    """Whether _unwrap would look inside `value`: a tensor, or a list or tuple whose first item is a tensor, None
+    or another list (a list of sizes holds none)."""
+    if isinstance(value, torch.Tensor):
+        return True
+    return isinstance(value, (list, tuple)) and bool(value) and isinstance(value[0], (torch.Tensor, type(None), list, tuple))
 
 
 class Dispatch:
@@ -136,7 +160,7 @@ class Dispatch:
             self._drain_frees()
         if self._held:
             self._release_collectives()
-        plan = _plan(func)
+        plan = _PLANS.get(id(func)) or _plan(func)
         if plan.profiler:
             return self._profiler_op(func, args, kwargs)
         for t in types:
@@ -146,7 +170,50 @@ class Dispatch:
                 return func(*args, **kwargs)
             if t.__torch_dispatch__ is not _PLAIN_DISPATCH:
                 return NotImplemented  # let the subclass (DTensor) run; its local ops come back here
+        if plan.view:
+            return self._view_op(plan, args, kwargs)
         return self._device_dispatch(func, args, kwargs, plan)
+
+    def _view_op(self, plan: _Plan, args: tuple, kwargs: dict) -> Any:
+        """A view or metadata op (plan.view: t, view, expand, detach, ... most ops of a training step) of device
+        tensors alone: what _device_dispatch and _run do for it, written out. It reads and writes no data, so
+        there is nothing to check or time; its outputs wrap views of the CPU tensors inside, on the inputs'
+        device, and accesses made through them later are checked against their storage as any other's."""
+        found: list[SimTensor] = []
+        unwrapped = []
+        for a in args:  # _unwrap, with its commonest cases inline
+            kind = type(a)
+            if kind is SimTensor:
+                found.append(a)
+                unwrapped.append(a._elem)
+            elif kind is int or kind is float or kind is bool or a is None:
+                unwrapped.append(a)
+            elif _holds_tensors(a):  # host tensors, lists of tensors: the general way
+                return self._device_dispatch(plan.func, args, kwargs, plan)
+            else:
+                unwrapped.append(a)  # sizes, dtypes, ...
+        if not found or (kwargs and any(_holds_tensors(v) for v in kwargs.values())):
+            return self._device_dispatch(plan.func, args, kwargs, plan)
+        if plan.same_device and len(found) > 1:
+            _check_same_device(plan.func, found, [])
+        out = plan.call(*unwrapped, **kwargs)
+        # Storages resized behind the dispatcher are picked up here as by any op (_refresh_sizes).
+        storages = self._storages
+        for w in found:
+            e = w._elem
+            if e.layout is not torch.strided:
+                continue
+            storage = e.untyped_storage()
+            info = storages.get(storage._cdata)
+            if info is not None and info.kind == DEVICE and storage.nbytes() != info.nbytes:
+                self._refresh_sizes([_Arg(e, storage, info, "v")])
+        device = found[0].device
+        if type(out) is torch.Tensor:
+            for w in found:
+                if w._elem is out:  # returns its input (lift_fresh, detach_)
+                    return w
+            return wrap(out, device)
+        return wrap_outputs(out, found, [], device, plan.packet)
 
     def _route(self, device: Any) -> int:
         """The placement a `device=` argument names: a device index, or HOST_OUT for the host. The cuda
@@ -199,7 +266,7 @@ class Dispatch:
             place = found[0].device.index
         else:
             place = HOST_OUT
-        if found and plan.same_device:
+        if found and plan.same_device and (hosts or len(found) > 1):  # one device tensor alone cannot mix
             _check_same_device(func, found, hosts)
         if plan.pins and packet is torch.ops.aten.is_pinned:
             if found:
@@ -298,7 +365,7 @@ class Dispatch:
         if op.resize and has_device:
             self._check_resize(func, args, kwargs, tensor_args)
         if not accesses and not op.new_outputs:
-            out = func(*args, **kwargs)  # views and metadata
+            out = plan.call(*args, **kwargs)  # views and metadata
             if has_device:
                 self._refresh_sizes(tensor_args)
             return out
@@ -346,7 +413,10 @@ class Dispatch:
             if not self._memory(index).fits(need):
                 raise self._oom(need, index)
         new_on_device = place >= 0
-        lane, blocking, staged_src = op_lane(func, op, args, kwargs, accesses, new_on_device)
+        if op.copy or op.local_scalar:
+            lane, blocking, staged_src = op_lane(func, op, args, kwargs, accesses, new_on_device)
+        else:  # op_lane's answer for every other op
+            lane, blocking, staged_src = "compute", op.sync or op.value_return, False
         if self.flavour == "npu" and op.copy and lane in ("h2d", "d2h") and not blocking and not all(
             a.tensor.is_contiguous() for a in accesses
         ):
@@ -363,22 +433,24 @@ class Dispatch:
             host_epoch = 0
             checks = []
             for a in accesses:
-                if a.host_side and (not op.copy or (staged_src and not a.writes)):
+                info = a.info
+                if (info is None or info.kind != DEVICE) and (not op.copy or (staged_src and not a.writes)):  # host_side
                     host_epoch = host_epoch or self._clocks.tick(host)
                     checks.append((a, host, host_epoch))
                 else:
                     checks.append((a, stream.actor, epoch))
             self._check_and_log(op.name, checks)
 
-        out = (kernel or func)(*args, **kwargs)
+        out = (kernel or plan.call)(*args, **kwargs)
 
         new = fresh_outputs(plan.fresh, out)
         created = []
         pinned = []
+        storages = self._storages
         try:
             for t in new:
                 storage = t.untyped_storage()
-                if self._lookup(storage) is not None:
+                if storages.get(storage._cdata) is not None:  # _lookup
                     continue
                 if new_on_device:
                     created.append((t, storage, self._register(storage, DEVICE, stream.actor, index=index)))
@@ -402,47 +474,22 @@ class Dispatch:
             return out
 
         if lane == "compute":
-            nbytes = sum(a.traffic for a in accesses) + sum(t.nbytes for t in new)
+            nbytes = 0
+            for a in accesses:  # Arg.traffic
+                nbytes += a.tensor.nbytes * (2 if a.role == "w" else 1)
+            for t in new:
+                nbytes += t.nbytes
         elif op.local_scalar:
             nbytes = sum(a.tensor.element_size() for a in accesses)
         else:
             nbytes = sum(a.tensor.nbytes for a in accesses if a.writes) + sum(t.nbytes for t in new)
         flops = op_flops(func, args, kwargs) if plan.flops and lane == "compute" else None
         # The tensors it takes set the host's cost of issuing it (Note [host clock] in device/sim/timeline.py).
-        timed = self._timeline.launch(stream.name, stream.tail_us, lane, nbytes, op.name, self._label(), flops,
-                                      tensors=len(tensor_args))
+        labels = self._labels
+        timed = self._timeline.launch(stream.name, stream.tail_us, lane, nbytes, op.name, labels[-1] if labels else None,
+                                      flops, tensors=len(tensor_args))
         stream.tail_us = timed.end_us
         if blocking:
             self._clocks.merge_actor(host, stream.actor)
             self._timeline.wait_host(timed.end_us)
         return out
-
-    def _refresh_sizes(self, tensor_args: list[_Arg]) -> None:
-        """Pick up storages resized by an op (resize_) or behind the dispatcher (storage.resize_)."""
-        for a in tensor_args:
-            info = a.info
-            if info is not None and info.kind == DEVICE:
-                nbytes = a.storage.nbytes()
-                if nbytes != info.nbytes:
-                    # A resize takes a new block, copies and frees the old one: the peak holds both.
-                    mem = self._mem_of(info.index)
-                    block = mem.allocate(nbytes)
-                    mem.free(info.block)
-                    if block is None:  # resized behind the dispatcher: past capacity, report it now
-                        info.block, info.nbytes = Block(0), 0
-                        raise self._oom(nbytes, info.index)
-                    grew, info.block, info.nbytes = nbytes > info.nbytes, block, nbytes
-                    if grew and self.sanitize:  # a fresh block: safe on the stream that resized it only
-                        self._allocated(info, self._current())
-
-    def _check_resize(self, func: Any, args: tuple, kwargs: dict, tensor_args: list[_Arg]) -> None:
-        """resize_ of a device tensor beyond what fits raises before resizing, like the allocator."""
-        size = arg_value(func, args, kwargs, "size")
-        if not tensor_args or not isinstance(size, (list, tuple)):
-            return
-        a = tensor_args[0]
-        if a.info is None or a.info.kind != DEVICE:
-            return
-        need = (a.tensor.storage_offset() + math.prod(size)) * a.tensor.element_size()
-        if need > a.info.nbytes and not self._memory().fits(need):
-            raise self._oom(need)

@@ -11,6 +11,7 @@ the outermost entries, so a caller can subtract a calibrated cost per entry.
 from __future__ import annotations
 
 import functools
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -85,3 +86,91 @@ def counted_methods(*names: str) -> Callable[[type], type]:
         return cls
 
     return decorate
+
+
+# Note [scaled Python]: under the "measured" host clock (Note [host clock] in device/sim/timeline.py) the program's
+# Python between two ops is this machine's CPU time, which is not the device host's. Two corrections make it the
+# device host's:
+# - entering the simulator costs CPU time before its first counted frame starts (torch's mode stack, building the
+#   call's arguments, wrapping each tensor): ``entry_costs()`` measures that per entry and per tensor argument on a
+#   stand-in of the simulator's modes (passthrough ones, counted like the simulator's), and the clock takes it out,
+#   since a device host pays its own launch cost instead (the preset's launch figures);
+# - what is left is scaled by the device host's speed against this machine's: the preset's ``host_ref_us`` (the
+#   device host's CPU time for ``reference_work()``) over ``reference_us()`` (this machine's, timed once per
+#   process).
+
+
+def reference_work() -> int:
+    """A fixed piece of pure Python of the kind an optimizer's bookkeeping runs (dict look-ups, attribute reads, list
+    appends, calls): the yardstick of a host's Python speed. Its CPU time on a device's host is a preset figure
+    (``host_ref_us``), measured there by ``reference_us()``."""
+
+    class _Item:
+        __slots__ = ("key", "value")
+
+        def __init__(self, key: int, value: int) -> None:
+            self.key, self.value = key, value
+
+    counts: dict[int, int] = {}
+    items: list[_Item] = []
+    for i in range(20_000):
+        key = i & 255
+        counts[key] = counts.get(key, 0) + 1
+        items.append(_Item(key, i))
+    return sum(item.value for item in items if counts[item.key] > 0) & 0xFFFF
+
+
+def reference_us(repeats: int = 15) -> float:
+    """This thread's CPU time for ``reference_work()``, in microseconds: the least of `repeats` runs (the others
+    carry interruptions and cold caches)."""
+    best = math.inf
+    for _ in range(repeats):
+        start = time.thread_time()
+        reference_work()
+        best = min(best, time.thread_time() - start)
+    return best * 1e6
+
+
+@functools.cache
+def entry_costs() -> tuple[float, float]:
+    """(microseconds per entry, microseconds per tensor argument of an op) this machine spends entering the
+    simulator outside its counted frames (Note [scaled Python]), measured once per process on passthrough modes
+    counted as the simulator's are, over tensors of a subclass as the simulator's are: an op over 1 tensor, and foreach ops over 8 and 64, less a plain loop's cost."""
+    import torch
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class _Function(TorchFunctionMode):
+        @counted
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            return func(*args, **(kwargs or {}))
+
+    class _Dispatch(TorchDispatchMode):
+        @counted
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            return func(*args, **(kwargs or {}))
+
+    class _Wrapped(torch.Tensor):  # the simulator's tensors are a subclass: torch checks each argument's type
+        pass
+
+    x = torch.zeros(4).as_subclass(_Wrapped)
+    lists = {n: [x] * n for n in (8, 64)}
+
+    def outside_us(body: Callable[[], None], n: int) -> float:
+        """The least, over 5 runs, of the CPU time per call outside counted frames."""
+        best = math.inf
+        for _ in range(5):
+            c0, i0 = time.thread_time(), seconds()
+            for _ in range(n):
+                body()
+            best = min(best, ((time.thread_time() - c0) - (seconds() - i0)) * 1e6 / n)
+        return best
+
+    with _Dispatch(), _Function():
+        one = outside_us(lambda: x.add_(0), 400)
+        eight = outside_us(lambda: torch._foreach_add_(lists[8], 0), 200)
+        many = outside_us(lambda: torch._foreach_add_(lists[64], 0), 100)
+    loop = outside_us(lambda: None, 400)
+    per_tensor = max((many - eight) / 56, 0.0)
+    per_entry = max(one - loop - per_tensor, 0.0)
+    return per_entry, per_tensor

@@ -15,6 +15,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from device.sim.active import _ACTIVE, active
+from device.sim.entry_points import _routed, routes_cuda
 from device.sim.host_time import counted
 
 if TYPE_CHECKING:
@@ -163,6 +164,10 @@ class _StreamTagMode(TorchFunctionMode):
             return out
         if func in _TENSOR_HOOKS and active() is self.sim and len(args) == 2:
             args = (args[0], _errors_kept(args[1], self.sim))
+        if kwargs and "device" in kwargs and routes_cuda(self.sim):
+            # A factory given device="cuda" (`torch.tensor(0, device="cuda")`, as frameworks write) makes its
+            # tensor on the simulated device, as `.to("cuda")` does (device.sim.entry_points).
+            kwargs = {**kwargs, "device": _routed(self.sim, kwargs["device"])}
         out = func(*args, **(kwargs or {}))
         sim = self.sim
         if torch.is_grad_enabled() and active() is sim:

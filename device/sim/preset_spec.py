@@ -8,9 +8,10 @@ Every figure a preset carries names where it comes from in `sources` (a datashee
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, fields
 from typing import Literal, get_args
+
+from device.link_table import duplex_rate
 
 GiB = 1024**3
 MiB = 1024**2
@@ -80,6 +81,13 @@ class SimPreset:
     # launcher and the Python that gathers their lists walk every tensor): Note [host clock] in
     # device/sim/timeline.py. Files written before it load with none.
     host_tensor_us: float = 0.0
+    # The "measured" host clock (Note [host clock]; Note [scaled Python] in device/sim/host_time.py): the device
+    # host's CPU time, in microseconds, for host_time.reference_work() (0: the clock charges this machine's Python
+    # unscaled), and the launcher's own host time per tensor beyond an op's first two (the part of host_tensor_us
+    # that is not the Python gathering the op's lists, which that clock measures). Files written before them load
+    # with none.
+    host_ref_us: float = 0.0
+    launcher_tensor_us: float = 0.0
     # The host beside the device (device/sim/host_memory.py): RAM that pinned host memory is counted against
     # (SWAPOPT_SIM_HOST_MB overrides it), and how fast one thread pins host memory, in GB/s.
     host_capacity_bytes: int = 125 * GiB
@@ -117,19 +125,10 @@ class SimPreset:
     def both_gbps(self, direction: str, nbytes: float) -> float:
         """Rate of a copy of `direction` and `nbytes` while the other direction is busy, under "sized": the
         table's, interpolated in log size, clamped at its ends and never above the direction's rate alone."""
-        column = 1 if direction == "h2d" else 2
         table = self.duplex_table
         if not table:  # other rules: half the cap, as "first" splits it when the two take turns
             return min(self.alone_gbps(direction), self.duplex_gbps / 2)
-        if nbytes <= table[0][0]:
-            rate = table[0][column]
-        elif nbytes >= table[-1][0]:
-            rate = table[-1][column]
-        else:
-            j = next(i for i, row in enumerate(table) if row[0] >= nbytes)
-            lo, hi = table[j - 1], table[j]
-            w = (math.log(nbytes) - math.log(lo[0])) / (math.log(hi[0]) - math.log(lo[0]))
-            rate = lo[column] + w * (hi[column] - lo[column])
+        rate = duplex_rate(table, direction, nbytes)
         return min(rate, self.alone_gbps(direction))
 
     def link_floor_us(self, h2d_bytes: float, d2h_bytes: float, copy_bytes: float | None = None) -> float:

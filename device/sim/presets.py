@@ -51,6 +51,14 @@ _DUPLEX_RATIO = (
 _H100_RUN = "2026-11-26, NVIDIA H100 80GB HBM3, driver 580.159.04, CUDA 13.0, torch 2.11.0, PCIe gen 5 x16"
 _H100_MEASURED = f"measured by python -m swapopt.verify on {_H100_RUN} (h100-2026-11-26)"
 
+# The H100 host's time per tensor argument: tiny10k's resident fused AdamW step, 34.792 ms, is the host's (the
+# device works 13 us of it): 2 launches, then 59,996 tensors beyond two per op (Note [host clock]).
+_TINY10K_HOST_TENSOR_US = (34_792.0 - 2 * 6.170815944671631 - 13.3) / 59_996
+# The measured host clock's figures for the H100's host (Note [scaled Python] in device/sim/host_time.py), derived
+# from the layout rows as the sources below say.
+HOST_REF_US = 1860.0
+LAUNCHER_TENSOR_US = 0.162
+
 PRESETS: dict[str, SimPreset] = {
     "h100": SimPreset(
         name="h100",
@@ -72,7 +80,9 @@ PRESETS: dict[str, SimPreset] = {
         fp32_tflops=67.0,
         fp64_tflops=67.0,
         launch_us=6.17,
-        host_tensor_us=0.834,
+        host_tensor_us=0.580,
+        host_ref_us=HOST_REF_US,
+        launcher_tensor_us=LAUNCHER_TENSOR_US,
         host_gbps=20.0,
         capacity_bytes=85_017_493_504,
         calibrated=_H100_RUN,
@@ -87,7 +97,9 @@ PRESETS: dict[str, SimPreset] = {
             "hbm_gbps": 3075.3742416380114,
             "bf16_tflops": 793.7217666453665,
             "launch_us": 6.170815944671631,
-            "host_tensor_us": 16.5e3 / 19_794,
+            "host_tensor_us": _TINY10K_HOST_TENSOR_US,
+            "host_ref_us": HOST_REF_US,
+            "launcher_tensor_us": LAUNCHER_TENSOR_US,
             "capacity_bytes": 85_017_493_504,
         },
         sources={
@@ -113,9 +125,22 @@ PRESETS: dict[str, SimPreset] = {
             "fp64_tflops": f"{_H100_DATASHEET}: FP64 Tensor Core 67 TFLOPS",
             "launch_us": f"{_H100_MEASURED}: device time per back-to-back tiny kernel, which the host's issue "
             "rate sets (host wall time per launch 6.24 us) (verify-a.json)",
-            "host_tensor_us": f"{_H100_MEASURED}: the layout bench's resident fused AdamW step on moe (3,299 "
-            "tensors; two aten ops taking 6 tensors per param): 16.5 ms own host time per step / 19,794 tensors "
-            "(verify-b-bench-peers.md, Layouts)",
+            "host_tensor_us": f"{_H100_MEASURED}: the layout bench's resident fused AdamW step on tiny10k, a step the "
+            "host sets (10,000 tensors; torch's fused AdamW launches _foreach_add_ over the 10,000 steps and "
+            "_fused_adamw_ over 5 lists of 10,000: 59,996 tensors beyond two per op): (34.792 ms step - 2 launches - "
+            "13 us of device work) / 59,996 (bench/results/cuda-h100-2026-11-26-verify-b.md, Layouts, tiny10k, "
+            "resident-fused, step ms)",
+            "host_ref_us": f"derived from the layout rows of the run on {_H100_RUN}: no run timed "
+            "host_time.reference_work() on the H100's host (python -m swapopt.verify does now); "
+            "it is the time that puts the measured clock's scaled Python of e190371's swapped fsdp256 step at 64 "
+            "chunks on the H100's host CPU time for it, 14.5 ms (bench/results/cuda-h100-2026-11-26-verify-b.md, "
+            "Layouts, fsdp256, swapopt t=64 s=3, host CPU ms), times this machine's reference_us() in that run "
+            "(bench/results/sim-h100-2026-11-26-fidelity-e190371-after.md, Calibration of the measured clock's figures)",
+            "launcher_tensor_us": f"derived from the layout rows of the run on {_H100_RUN}: tiny10k's resident "
+            "fused AdamW step (34.792 ms, "
+            "bench/results/cuda-h100-2026-11-26-verify-b.md, Layouts, tiny10k, resident-fused, step ms) less "
+            "2 launches, 13 us of device work and the measured clock's scaled Python of that step, over its 59,996 "
+            "tensors beyond two per op (bench/results/sim-h100-2026-11-26-fidelity-e190371-after.md, Calibration)",
             "host_gbps": "assumed: single-threaded CPU memory bandwidth",
             "capacity_bytes": f"{_H100_MEASURED}: total device memory the runtime reports (mem_get_info), "
             "79.2 GiB (verify-a.json)",
@@ -133,7 +158,9 @@ PRESETS: dict[str, SimPreset] = {
         copy_latency_us=5.0,
         link_sharing="sized",
         duplex_table=((1 * MiB, 18.0, 18.0),),
-        host_tensor_us=0.834,
+        host_tensor_us=0.580,
+        host_ref_us=HOST_REF_US,
+        launcher_tensor_us=LAUNCHER_TENSOR_US,
         hbm_gbps=1600.0,
         bf16_tflops=313.0,
         fp16_tflops=313.0,
@@ -154,6 +181,8 @@ PRESETS: dict[str, SimPreset] = {
             "rate, as neither did on the H100 (h100-2026-11-26)",
             "host_tensor_us": "assumed: as measured on the H100's host (h100-2026-11-26): the Python and launcher "
             "walking an op's tensors are host work, not the device's",
+            "host_ref_us": "assumed: as the H100's host (h100-2026-11-26): Python speed is the host CPU's",
+            "launcher_tensor_us": "assumed: as the H100's host (h100-2026-11-26)",
             "hbm_gbps": "CANN cross-platform migration guide (gitcode.com/cann/ops-cv, docs/zh/develop/"
             "cross_platform_migration_guide.md), Atlas A2 column: memory bandwidth 1.6 TB/s",
             "bf16_tflops": "assumed: Huawei publishes no per-chip figure; third-party summaries of the 910B "

@@ -13,9 +13,11 @@ from device.sim.accesses import PAGEABLE
 from device.sim.accesses import Arg as _Arg
 from device.sim.accesses import StorageInfo as _Storage
 from device.sim.memory import pool_of
-from device.sim.ops import byte_range, strided_layout
+from device.sim.ops import _span
 from device.sim.sanitizer import Access, Clocks, race_error, reused_use
 from device.sim.streams import SimStream
+
+_WRITES = ("w", "o")  # the roles that write (Arg.writes)
 
 # Note [free and reuse]
 # A block freed on the host returns to the pool of the stream that allocated it, and the caching allocator
@@ -51,17 +53,27 @@ class RaceChecks:
         staged = []
         clocks = self._clocks
         for a, actor, epoch in plan:
-            rng = byte_range(a.tensor)
-            if rng is None:
+            # byte_range and strided_layout, written out (one contiguity test for both): this runs for every access.
+            t = a.tensor
+            numel = t.numel()
+            if not numel:
                 continue
+            itemsize = t.element_size()
+            offset = t.storage_offset()
+            if t.is_contiguous():
+                span, layout = numel, None
+            else:
+                span = _span(t)
+                layout = None if numel == 1 or span == numel else (tuple(t.shape), tuple(t.stride()), offset, itemsize)
             if a.info is None:
                 a.info = self._register(a.storage, PAGEABLE)
                 if self._collectives:  # host memory C++ made: a collective's work may hold it
-                    self._hold(a.tensor)  # Note [collective tensors at exit]
+                    self._hold(t)  # Note [collective tensors at exit]
             info = a.info
             acc = Access(
-                rng[0], rng[1], a.writes, actor, epoch, name, label, a.tensor.shape, strided_layout(a.tensor), stack
-            )
+                offset * itemsize, (offset + span) * itemsize, a.role in _WRITES, actor, epoch, name, label, t.shape,
+                layout, stack,
+            )  # fmt: skip
             staged.append((info, acc))
         for info, acc in staged:
             if info.log.records:  # nothing to race with in an empty log
@@ -72,12 +84,16 @@ class RaceChecks:
             info.log.add(acc, clocks)
 
     def _log_new(self, t: torch.Tensor, info: _Storage, stream: SimStream, epoch: int, name: str) -> None:
-        rng = byte_range(t)
-        if rng is not None:
+        numel = t.numel()
+        if numel:
+            # byte_range, written out: this runs for every new device tensor.
+            itemsize = t.element_size()
+            offset = t.storage_offset()
+            span = numel if t.is_contiguous() else _span(t)
             stack = traceback.format_stack()[:-3] if self.stacks else None
             labels = self._labels
-            acc = Access(rng[0], rng[1], True, stream.actor, epoch, name, labels[-1] if labels else None, t.shape,
-                         None, stack)
+            acc = Access(offset * itemsize, (offset + span) * itemsize, True, stream.actor, epoch, name,
+                         labels[-1] if labels else None, t.shape, None, stack)
             if info.log.records and not name.endswith("(allocation)"):
                 # The op writes a block the allocator may have reused (Note [free and reuse]).
                 rec = info.log.conflict(acc, self._clocks)

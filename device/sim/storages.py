@@ -7,6 +7,7 @@ torch.cuda-like memory queries."""
 from __future__ import annotations
 
 import bisect
+import math
 import threading
 import weakref
 from typing import Any
@@ -14,10 +15,12 @@ from typing import Any
 import torch
 
 from device.sim.accesses import DEVICE, HOST_MEM, PAGEABLE
+from device.sim.accesses import Arg as _Arg
 from device.sim.accesses import StorageInfo as _Storage
 from device.sim.host_memory import REGISTER_THREADS, HostMemory, npu_pinned_bytes, power_of_two
 from device.sim.host_time import counted_methods
-from device.sim.memory import DeviceMemory, OutOfMemoryError, fmt_bytes
+from device.sim.memory import Block, DeviceMemory, OutOfMemoryError, fmt_bytes
+from device.sim.ops import arg_value
 from device.sim.sanitizer import HOST, Access
 from device.sim.streams import SimStream
 
@@ -381,3 +384,33 @@ class Storages:
             return
         del self._host_spans[start]
         del self._host_starts[bisect.bisect_left(self._host_starts, start)]
+
+    def _refresh_sizes(self, tensor_args: list[_Arg]) -> None:
+        """Pick up storages resized by an op (resize_) or behind the dispatcher (storage.resize_)."""
+        for a in tensor_args:
+            info = a.info
+            if info is not None and info.kind == DEVICE:
+                nbytes = a.storage.nbytes()
+                if nbytes != info.nbytes:
+                    # A resize takes a new block, copies and frees the old one: the peak holds both.
+                    mem = self._mem_of(info.index)
+                    block = mem.allocate(nbytes)
+                    mem.free(info.block)
+                    if block is None:  # resized behind the dispatcher: past capacity, report it now
+                        info.block, info.nbytes = Block(0), 0
+                        raise self._oom(nbytes, info.index)
+                    grew, info.block, info.nbytes = nbytes > info.nbytes, block, nbytes
+                    if grew and self.sanitize:  # a fresh block: safe on the stream that resized it only
+                        self._allocated(info, self._current())
+
+    def _check_resize(self, func: Any, args: tuple, kwargs: dict, tensor_args: list[_Arg]) -> None:
+        """resize_ of a device tensor beyond what fits raises before resizing, like the allocator."""
+        size = arg_value(func, args, kwargs, "size")
+        if not tensor_args or not isinstance(size, (list, tuple)):
+            return
+        a = tensor_args[0]
+        if a.info is None or a.info.kind != DEVICE:
+            return
+        need = (a.tensor.storage_offset() + math.prod(size)) * a.tensor.element_size()
+        if need > a.info.nbytes and not self._memory().fits(need):
+            raise self._oom(need)

@@ -22,21 +22,7 @@ class SimTensor(torch.Tensor):
 
     @staticmethod
     def __new__(cls, elem: torch.Tensor, device: torch.device) -> SimTensor:
-        out = torch.Tensor._make_wrapper_subclass(
-            cls,
-            elem.size(),
-            strides=elem.stride(),
-            storage_offset=elem.storage_offset(),
-            dtype=elem.dtype,
-            layout=elem.layout,
-            device=device,
-            requires_grad=False,
-            # The wrapper's own storage holds no memory (that is _elem's); sized past any tensor, so that
-            # a resize_ or set_ of _elem can be mirrored on the wrapper's sizes (SimDevice._wrap).
-            storage_size=_PLACEHOLDER_BYTES,
-        )
-        out._elem = elem
-        return out
+        return wrap(elem, device, cls)
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:
         body = repr(self._elem)
@@ -78,6 +64,28 @@ class SimTensor(torch.Tensor):
     @staticmethod
     def __tensor_unflatten__(inner: dict, device: torch.device, outer_size: Any, outer_stride: Any) -> SimTensor:
         return SimTensor(inner["_elem"], device)
+
+
+_make_wrapper_subclass = torch.Tensor._make_wrapper_subclass
+
+
+def wrap(elem: torch.Tensor, device: torch.device, cls: type = SimTensor) -> SimTensor:
+    """SimTensor(elem, device), without the class call's own frames: every op's new device output is made here."""
+    out = _make_wrapper_subclass(
+        cls,
+        elem.size(),
+        strides=elem.stride(),
+        storage_offset=elem.storage_offset(),
+        dtype=elem.dtype,
+        layout=elem.layout,
+        device=device,
+        requires_grad=False,
+        # The wrapper's own storage holds no memory (that is _elem's); sized past any tensor, so that
+        # a resize_ or set_ of _elem can be mirrored on the wrapper's sizes (SimDevice._wrap).
+        storage_size=_PLACEHOLDER_BYTES,
+    )
+    out._elem = elem
+    return out
 
 
 def _rebuild_from_host(data: torch.Tensor, dtype: torch.dtype, device: str, requires_grad: bool) -> torch.Tensor:
@@ -175,7 +183,11 @@ def _check_same_device(func: Any, found: list[SimTensor], hosts: list[torch.Tens
     native_functions.yaml, which most device kernels are): one kernel reads one device; a 0-dim host tensor
     passes as a scalar (TensorIterator reads a CPU scalar on the host). Fused optimizers: check_fused_optimizer."""
     first = found[0].device
-    other = next((w.device for w in found if w.device != first), None) if len(found) > 1 else None
+    other = None
+    for w in found[1:]:  # the first other device, if any (a loop: this runs for most ops of two tensors or more)
+        if w.device != first:
+            other = w.device
+            break
     if other is None and hosts:
         other = next((h.device for h in hosts if h.dim() > 0 and h.layout is torch.strided), None)
     if other is not None:
@@ -208,7 +220,7 @@ def wrap_outputs(out: Any, found: list[SimTensor], hosts: list[torch.Tensor], de
     for h in hosts:
         if h is out:
             return h
-    return out if device is None else SimTensor(out, device)
+    return out if device is None else wrap(out, device)
 
 
 def plain_dispatch(func: Any, args: tuple, kwargs: dict) -> Any:

@@ -28,15 +28,21 @@ Costs, as on the hardware:
     over the cap there is owed by the other direction (Note [link debt]).
 
 Note [host clock]: a device op cannot start before the host has issued it. The host clock advances by
-`launch_us` per launched op, plus `host_tensor_us` per tensor the op takes beyond its first two (a fused or
-foreach op over many tensors: its launcher, and the optimizer's Python that gathered its lists, walk every
-one), plus the host's own work (host ops at `host_gbps`, blocking waits). That clock ("ops", the default) is
-deterministic, so tests may assert modeled times. With SWAPOPT_SIM_HOST_CLOCK=measured (or
-`Timeline(host_clock="measured")`) the clock also advances, before each op, by the CPU time the issuing
-thread spent outside the simulator's own frames since its previous op (device/sim/host_time.py): the Python
-of the program itself, as a device's host pays it, though on this machine's CPU and with the cost of entering
-the simulator's dispatch (which no device has) in it. Not deterministic: for looking at a program's host
-cost, not for tests.
+`launch_us` per launched op, plus per tensor the op takes beyond its first two (a fused or foreach op over many
+tensors: its launcher, and the optimizer's Python that gathered its lists, walk every one), plus the host's own
+work (host ops at `host_gbps`, blocking waits). Two clocks:
+- "ops" (the default): the per-tensor cost is `host_tensor_us`, the launcher's and the optimizer's Python together
+  (calibrated on a resident fused step, where nothing else runs on the host). The program's own Python between ops
+  is not charged. Deterministic, so tests may assert modeled times.
+- "measured" (SWAPOPT_SIM_HOST_CLOCK=measured, or `Timeline(host_clock="measured")`): before each op the clock
+  also advances by the CPU time the issuing thread spent outside the simulator's own frames since its previous op
+  (device/sim/host_time.py), the Python of the program itself, as the device's host would run it (Note [scaled
+  Python] there): less what entering the simulator cost (no device has it), times `host_ref_us` over this
+  machine's time for the same reference work. The per-tensor cost is then `launcher_tensor_us`, the launcher's
+  part alone, since the Python that gathered the lists is in the measured time. Not deterministic (it is this
+  machine's CPU time, scaled): for a program's host cost against hardware (bench/results/
+  sim-h100-2026-11-26-fidelity-e190371-after.md), not for tests. A preset without `host_ref_us` charges this
+  machine's Python unscaled.
 """
 
 from __future__ import annotations
@@ -92,8 +98,14 @@ class Timeline:
         self.host_clock = host_clock or host_clock_from_env()
         if self.host_clock not in HOST_CLOCKS:
             raise ValueError(f"host_clock must be one of {', '.join(HOST_CLOCKS)}, got {self.host_clock!r}")
-        # "measured": per thread, (CPU seconds, seconds inside simulator frames) when its last op was charged.
+        # "measured": per thread, (CPU seconds, seconds inside simulator frames, simulator entries) when its last op
+        # was charged; this machine's entry costs and the device host's speed against it (Note [scaled Python]).
         self._python_mark = threading.local()
+        self.python_scale, self._entry_us, self._entry_tensor_us = 1.0, 0.0, 0.0
+        if self.host_clock == "measured":
+            self._entry_us, self._entry_tensor_us = host_time.entry_costs()
+            if preset.host_ref_us > 0:
+                self.python_scale = preset.host_ref_us / host_time.reference_us()
         self._lane_free = dict.fromkeys(LANES, 0.0)  # when each lane's last scheduled op ends
         # Busy intervals of the compute lane, sorted and disjoint, kept from the host's time on (nothing
         # launched later can start before it): the idle gaps between them take later-ready kernels, in pieces
@@ -109,7 +121,10 @@ class Timeline:
         # That direction's next copy moves them first, as if its earlier copies had given way in time: over
         # any span that ends after that copy the link carries no more than the rule allows, and a direction
         # that is busy all along moves what it would under the rule. A direction with no later copy keeps its
-        # debt until it has one (the end of a burst of copies is modeled a little fast).
+        # debt until it has one (the end of a burst of copies is modeled a little fast, by at most what was owed).
+        # Under "sized" a copy issued once both directions have drained pays none: on the H100 a direction alone
+        # after a both-busy run moves at its rate alone, so the debt only carries from copy to copy while the link
+        # stays busy (a both-busy run followed by a synchronize is modeled short by what it owed).
         self._debt: dict[str, float] = {"h2d": 0.0, "d2h": 0.0}
         # Long training loops keep only the most recent ops; clocks are unaffected.
         self._ops: deque[TimelineOp] = deque(maxlen=max_ops)
@@ -252,10 +267,19 @@ class Timeline:
         """Launch a stream op that may start no earlier than `ready_us` (its stream's tail); return it.
         `flops` prices a compute op by arithmetic as well as by bytes (device.costs.op_flops); `tensors` is how
         many tensors it takes, for the host's cost of issuing it (Note [host clock])."""
-        self.charge_python()
+        self.charge_python(tensors)
         self.host_us += self.issue_us(tensors)
         if lane in _OPPOSITE:
             start = max(self.host_us, ready_us, self._lane_free[lane])
+            if self.preset.link_sharing == "sized" and self.host_us >= max(self._lane_free[d] for d in _OPPOSITE):
+                # Note [link debt]: under "sized", a copy the host issues once both directions have drained (after
+                # a synchronize, say) pays nothing for copies before it, as on the H100: H2D copies alone right
+                # after both directions were busy moved at their rate alone (bench/results/
+                # cuda-h100-2026-11-26-verify-a.md, copies, H2D alone after the both-busy rows, 16 MB-1 GB:
+                # 51.9-55.1 GB/s). Drained as the host sees it: a copy issued later starts no earlier than the
+                # host issues it, so none can overlap the copies before any more; a lane merely free at this
+                # copy's start may still take a copy issued after it that starts before it.
+                self._debt["h2d"] = self._debt["d2h"] = 0.0
             end = self._copy_end_us(lane, start, nbytes)
         else:
             cost = self.kernel_cost_us(nbytes, flops)
@@ -315,18 +339,23 @@ class Timeline:
 
     def issue_us(self, tensors: int) -> float:
         """Host time to issue one device op taking `tensors` tensors (Note [host clock])."""
-        return self.preset.launch_us + self.preset.host_tensor_us * max(tensors - 2, 0)
+        per_tensor = self.preset.host_tensor_us if self.host_clock == "ops" else self.preset.launcher_tensor_us
+        return self.preset.launch_us + per_tensor * max(tensors - 2, 0)
 
-    def charge_python(self) -> None:
+    def charge_python(self, tensors: int = 0) -> None:
         """Under the "measured" host clock, advance it by the calling thread's CPU time outside the simulator's
-        frames since its previous op (Note [host clock]); under "ops", nothing."""
+        frames since its previous op, less this machine's cost of entering the simulator (the entries since then,
+        and the `tensors` of the op being issued), scaled to the device's host (Note [host clock]); under "ops",
+        nothing."""
         if self.host_clock != "measured":
             return
-        now, inside = time.thread_time(), host_time.seconds()
+        now, inside, entries = time.thread_time(), host_time.seconds(), host_time.calls()
         mark = getattr(self._python_mark, "last", None)
-        self._python_mark.last = (now, inside)
+        self._python_mark.last = (now, inside, entries)
         if mark is not None:
-            self.host_us += max((now - mark[0]) - (inside - mark[1]), 0.0) * 1e6
+            python_us = ((now - mark[0]) - (inside - mark[1])) * 1e6
+            python_us -= (entries - mark[2]) * self._entry_us + tensors * self._entry_tensor_us
+            self.host_us += max(python_us, 0.0) * self.python_scale
 
     def host_op(self, nbytes: int, name: str, label: str | None) -> None:
         self.charge_python()

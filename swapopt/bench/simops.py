@@ -10,6 +10,12 @@ params of 64 x 64. Each figure is the median, over 5 repeats after a warm-up, of
 ``time.perf_counter`` and closed by a device synchronize. Under the simulator the tensors are created inside
 the activated block, on ``device.torch_device()`` when that is not cpu. Imports only torch and ``device``,
 so it can be run by path against another checkout (``PYTHONPATH=<checkout> python simops.py``).
+
+Wall time on a shared machine moves with its load, so ``--compare NAME=CHECKOUT ...`` also measures the same
+loops under the simulator of each checkout (its ``device`` package) in host CPU time (``time.thread_time``, one
+torch thread), each in a process of its own, ``--rounds`` rounds with the checkouts taken in turn (the order
+reversed every other round); per round each figure is the least of ``CPU_REPEATS`` repeats after a warm-up, and
+the report gives, per loop and checkout, the median over rounds and the least, per aten op.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import json
 import os
 import statistics
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from datetime import datetime, timezone
@@ -35,6 +42,9 @@ ITERS = {"add_": 2000, "mul": 2000, "mlp": 50, "adamw": 50}
 WHAT = {"add_": "x.add_(1) on 16 elements", "mul": "torch.mul(x, y) on 16 elements",
         "mlp": "fwd+bwd, 4 x Linear(64,64), batch 8", "adamw": "AdamW(foreach=True).step(), 16 x (64,64)"}
 REPEATS = 5
+# --compare: iterations per repeat, repeats per round (host CPU time; the least of them is the round's figure).
+CPU_ITERS = {"add_": 500, "mul": 500, "mlp": 10, "adamw": 10}
+CPU_REPEATS = 15
 
 
 def build(name: str, kw: dict[str, Any]) -> Callable[[], object]:
@@ -110,6 +120,74 @@ def run(iters: dict[str, int]) -> dict[str, Any]:
     return {"sim_torch_device": str(tdev), "sim_preset": preset, "rows": list(rows.values())}
 
 
+def cpu_us_per_op(iters: dict[str, int], repeats: int) -> dict[str, float]:
+    """Under the simulator of the ``device`` package this process imports: per loop, host CPU microseconds per aten
+    op (the least of ``repeats`` repeats of ``iters[loop]`` iterations, after a warm-up), with one torch thread."""
+    torch.set_num_threads(1)
+    ops = {}
+    for n in iters:
+        fn = build(n, {})
+        with _Count() as count:
+            fn()
+        ops[n] = count.n
+    out = {}
+    with sim.activate() as dev:
+        tdev = device.torch_device()
+        kw = {} if tdev.type == "cpu" else {"device": tdev}
+        for n, k in iters.items():
+            fn = build(n, kw)
+            for _ in range(3):
+                fn()
+            dev.synchronize()
+            best = float("inf")
+            for _ in range(repeats):
+                t0 = time.thread_time()
+                for _ in range(k):
+                    fn()
+                dev.synchronize()
+                best = min(best, time.thread_time() - t0)
+            out[n] = best / k / ops[n] * 1e6
+    return out
+
+
+def compare(checkouts: dict[str, Path], rounds: int) -> dict[str, Any]:
+    """``cpu_us_per_op`` of each checkout's simulator, each in its own process, ``rounds`` rounds taken in turn (the
+    order reversed every other round, so that neither side always runs first)."""
+    names = list(checkouts)
+    per_round: dict[str, list[dict[str, float]]] = {n: [] for n in names}
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            env = {**os.environ, "PYTHONPATH": str(checkouts[name])}
+            env.pop("SWAPOPT_DEVICE", None)
+            done = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--cpu-per-op"], env=env,
+                                  capture_output=True, text=True, check=True)
+            per_round[name].append(json.loads(done.stdout.strip().splitlines()[-1]))
+    rows = []
+    for loop in CPU_ITERS:
+        row: dict[str, Any] = {"loop": loop}
+        for name in names:
+            values = [r[loop] for r in per_round[name]]
+            row[name] = {"median": statistics.median(values), "least": min(values), "rounds": values}
+        rows.append(row)
+    return {"checkouts": {n: str(p) for n, p in checkouts.items()}, "rounds": rounds, "iters": CPU_ITERS,
+            "repeats": CPU_REPEATS, "rows": rows}
+
+
+def compare_table(cmp: dict[str, Any]) -> str:
+    """Per loop: each checkout's median over rounds (least in brackets), CPU us per aten op, and each one's ratio to
+    the first checkout's median."""
+    names = list(cmp["checkouts"])
+    head = "| loop | " + " | ".join(f"{n} (us/op)" for n in names) + " | " + " | ".join(
+        f"{n} / {names[0]}" for n in names[1:]) + " |"
+    lines = [head, "|---|" + "---:|" * (2 * len(names) - 1)]
+    for row in cmp["rows"]:
+        first = row[names[0]]["median"]
+        cells = [f"{row[n]['median']:.1f} ({row[n]['least']:.1f})" for n in names]
+        ratios = [f"{row[n]['median'] / first:.2f}" for n in names[1:]]
+        lines.append(f"| {row['loop']} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
+    return "\n".join(lines)
+
+
 def _machine() -> dict[str, Any]:
     info = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
     cpu = next((ln.split(":", 1)[1].strip() for ln in info if ln.startswith("model name")), "unknown")
@@ -139,12 +217,23 @@ def main(argv: list[str] | None = None) -> tuple[Path, Path]:
                     help="output stem: writes STEM.json and STEM.md")
     ap.add_argument("--iters", type=int, help="N for every loop (default: %s)" % ITERS)
     ap.add_argument("--label", default="", help="what this run measures, e.g. 'before: ... (commit abc1234)'")
+    ap.add_argument("--compare", nargs="+", metavar="NAME=CHECKOUT", default=[],
+                    help="also compare these checkouts' simulators in host CPU time (the first is the reference)")
+    ap.add_argument("--rounds", type=int, default=5, help="--compare: rounds, checkouts taken in turn")
+    ap.add_argument("--cpu-per-op", action="store_true", help=argparse.SUPPRESS)  # one --compare measurement
     args = ap.parse_args(argv)
+    if args.cpu_per_op:
+        print(json.dumps(cpu_us_per_op(CPU_ITERS, CPU_REPEATS)))
+        return None  # type: ignore[return-value]
+    checkouts = {n: Path(p).resolve() for n, _, p in (c.partition("=") for c in args.compare)}
     res = run({n: args.iters or k for n, k in ITERS.items()})
+    cmp = compare(checkouts, args.rounds) if checkouts else None
     src = Path(device.__file__).resolve().parent
     report = {"device": "sim", "torch": torch.__version__, "date": f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC}",
               "label": args.label, "device_package": str(src), "commit": _commit(src), "machine": _machine(),
               "repeats": REPEATS, **res}
+    if cmp is not None:
+        report["compare"] = {**cmp, "commits": {n: _commit(p / "device") for n, p in checkouts.items()}}
     m = report["machine"]
     md = (f"# swapopt benchmark: simulator per-op host overhead\n\n{args.label or 'unlabeled run'}\n\n"
           f"torch {report['torch']}, {report['date']}, nproc {m['nproc']} ({m['cpu']}), torch threads "
@@ -153,11 +242,19 @@ def main(argv: list[str] | None = None) -> tuple[Path, Path]:
           f"{table(res['rows'])}\n\n## Notes\n\n- Median over {REPEATS} repeats of N iterations (host wall "
           "time, `time.perf_counter`, closed by a synchronize), after a warm-up; plain = CPU torch, no simulator; "
           "aten ops/iter counted on plain. No timing is asserted; figures vary with the machine and its load.\n")
+    if cmp is not None:
+        md += (f"\n## Host CPU time per aten op, checkouts compared\n\n{compare_table(cmp)}\n\nSimulator of each "
+               f"checkout's `device` ({', '.join(f'{n}: {p}' for n, p in cmp['checkouts'].items())}), each loop in "
+               f"host CPU time (`time.thread_time`, one torch thread), per round the least of {cmp['repeats']} repeats "
+               f"after a warm-up, {cmp['rounds']} rounds with the checkouts in turn; median over rounds (least in "
+               "brackets).\n")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     json_path, md_path = Path(f"{args.out}.json"), Path(f"{args.out}.md")
     json_path.write_text(json.dumps(report, indent=1))
     md_path.write_text(md)
     print(table(res["rows"]))
+    if cmp is not None:
+        print(compare_table(cmp))
     print(f"wrote {json_path} and {md_path}")
     return json_path, md_path
 

@@ -71,6 +71,9 @@ class LaunchCost(BaseModel):
     # Host wall time of a resident fused AdamW step over many small tensors, per tensor its ops take (the
     # preset's host_tensor_us; on the simulator, its own Python). None in calibrations made before it.
     host_tensor_us: float | None = None
+    # The host's CPU time for device.sim.host_time.reference_work() (the preset's host_ref_us: how fast this host
+    # runs Python, which the simulator's measured host clock scales to). None in calibrations made before it.
+    host_ref_us: float | None = None
 
 
 class Calibration(BaseModel):
@@ -258,7 +261,14 @@ def measure_launch(count: int) -> LaunchCost:
     gap_ms = events[0].elapsed_time(events[-1]) / max(count - 1, 1)
     return LaunchCost(kernel_us=ms * 1e3 / count, host_launch_us=host_s * 1e6 / count,
                       event_record_us=record_s * 1e6 / count, event_gap_us=gap_ms * 1e3,
-                      host_tensor_us=measure_host_per_tensor(HOST_PROBE_TENSORS, host_s * 1e6 / count))
+                      host_tensor_us=measure_host_per_tensor(HOST_PROBE_TENSORS, host_s * 1e6 / count),
+                      host_ref_us=_reference_us())
+
+
+def _reference_us() -> float:
+    from device.sim import host_time  # only its stdlib yardstick: no simulator is started
+
+    return host_time.reference_us()
 
 
 # Tensors of the host-cost probe: enough that their per-tensor cost dwarfs the step's fixed launches.

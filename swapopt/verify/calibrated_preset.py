@@ -188,6 +188,9 @@ def calibrated_preset(cal: Calibration, base: SimPreset, *, name: str, when: str
         values["host_tensor_us"] = cal.launch.host_tensor_us
         how["host_tensor_us"] = ("host time of a resident fused AdamW step over many small tensors, per tensor its "
                                  "ops take")
+    if cal.launch.host_ref_us is not None and not cal.simulated:
+        values["host_ref_us"] = cal.launch.host_ref_us
+        how["host_ref_us"] = "the host's CPU time for device.sim.host_time.reference_work(), least of 15 runs"
     sources = dict(base.sources)
     sources.update({k: f"{origin}: {how[k]}" for k in [*values, "duplex_table"]})
     measured = {**values,

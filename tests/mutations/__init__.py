@@ -441,3 +441,15 @@ def _every_rank_on_device_0(mp: pytest.MonkeyPatch) -> None:
     mp.setattr(trainer, "init_distributed", trainer.init_distributed)  # undone after the run
     _engine_keeps_device_0(trainer)
     in_subprocesses(mp, "swapopt.engine.trainer", _engine_keeps_device_0)
+
+
+@mutation(
+    "subclass-states-part-by-part",
+    "torchao's low-bit states are swapped part by part, never dequantized, bitwise to themselves resident",
+    "tests/test_lowbit.py::test_steps_bitwise_to_itself_resident_moving_the_parts_bytes[fp8]",
+    "tests/test_lowbit.py::test_state_dict_torch_save_and_dcp_resume_bitwise[fp8]",
+)
+def _subclass_states_as_plain(mp: pytest.MonkeyPatch) -> None:
+    # every subclass state is taken for a plain one: copied into plain host tensors through a dequantize
+    subclass_state = importlib.import_module("swapopt.subclass_state")
+    mp.setattr(subclass_state, "is_subclass_state", lambda value: False)
