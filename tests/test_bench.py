@@ -332,3 +332,51 @@ def test_master_weights_resident_row_is_the_bf16_recipe():
     assert size.resident_ms == res.step_ms  # the bound takes the recipe's time
     swap = next(r for r in size.rows if r.kind == "swapopt")
     assert swap.h2d_bytes == swap.need_h2d_bytes == 12 * size.numel  # states and masters, fp32
+
+
+# ----- the 8-bit rows: torchao's AdamW8bit resident and swapped (Note [low-bit rows]) ------------------------
+def _lowbit_bytes(shape, block: int = 256, qmap: int = 256) -> int:
+    """Bytes of AdamW8bit's two moments over params of these shapes: a param of at least 4096 elements (a multiple
+    of the block) has per moment uint8 codes, an fp32 scale per block and an fp32 lookup table of `qmap` entries;
+    any other keeps fp32 moments."""
+    total = 0
+    for s in shape.shapes():
+        n = 1
+        for d in s:
+            n *= d
+        total += 2 * (n + 4 * (n // block) + 4 * qmap) if n >= 4096 and n % block == 0 else 2 * 4 * n
+    return total
+
+
+@pytest.mark.parametrize("master_weights", [False, True], ids=["states", "master-weights"])
+def test_lowbit_rows_move_the_parts_bytes_per_param(master_weights):
+    pytest.importorskip("torchao.optim", reason="torchao is not installed")
+    from swapopt.bench.report import per_param, size_table
+
+    from swapopt.bench.run import BenchConfig, run_size
+
+    # one block of the smallest shape: five params torchao quantizes, three it keeps in fp32
+    cfg = BenchConfig(sizes=[0.00005], times=[4], slots=[3], repeats=1, strategies=["resident-8bit", "swapopt-8bit"],
+                      master_weights=master_weights)
+    with sim.activate("h100", sanitize=True):
+        size = run_size(0.00005, cfg)
+    by_kind = {r.kind: r for r in size.rows}
+    assert set(by_kind) == {"resident-8bit", "swapopt-8bit"}
+    res, swap = by_kind["resident-8bit"], by_kind["swapopt-8bit"]
+    for r in (res, swap):
+        assert r.error is None and r.step_ms > 0 and r.params_changed == r.params_total, r.label
+    shape = shape_for(0.00005)
+    want = _lowbit_bytes(shape) + (4 * shape.numel if master_weights else 0)
+    # exactly the parts (and masters) each way, once: far fewer than fp32 states' 8 (12) bytes a param
+    assert swap.h2d_bytes == swap.d2h_bytes == swap.need_h2d_bytes == swap.need_d2h_bytes == want
+    assert res.h2d_bytes == res.d2h_bytes == 0
+    assert per_param(swap) == f"{want / shape.numel:.3f} / {want / shape.numel:.3f}"
+    # codes a byte a param per moment; scales and lookup tables add a few percent at this size
+    assert 2 < want / shape.numel - (4 if master_weights else 0) < 2.25
+    # its own bound: its bytes over the link, or resident-8bit's step if longer
+    link_ms = want / (size.bandwidth.h2d * 1e9) * 1e3
+    assert swap.own_bound_ms == pytest.approx(max(link_ms, want / (size.bandwidth.d2h * 1e9) * 1e3, res.step_ms))
+    assert swap.own_ratio == pytest.approx(swap.step_ms / swap.own_bound_ms) and "its own bound" in swap.note
+    if master_weights:
+        assert "8-bit states on the device" in res.reproduces
+    assert f"| {per_param(swap)} |" in size_table(size)

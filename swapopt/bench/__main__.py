@@ -15,6 +15,7 @@ import argparse
 import dataclasses
 import importlib
 import os
+import shlex
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
@@ -30,7 +31,7 @@ from swapopt.bench.sizes import auto_sizes
 from swapopt.bench.layout_run import DEFAULT_TIMES as LAYOUT_TIMES
 from swapopt.bench.layout_run import SIM_MAX_NUMEL, default_max_numel, derive, layouts_summary, run_layout
 from swapopt.bench.layouts import LAYOUTS, get_layout
-from swapopt.bench.strategies import STRATEGY_DOCS
+from swapopt.bench.strategies import DEFAULT_STRATEGIES, LOWBIT_STRATEGIES, STRATEGY_DOCS
 
 DEFAULT_OUT = Path("bench/results")
 FALLBACK_PRESET = "h100"
@@ -46,6 +47,14 @@ SIM_NOTE = (
     "at once sharing the preset's total cap; a kernel = max(bytes touched / HBM rate, FLOPs / peak); "
     "launch_us of host time per op), so once copies dwarf launches a step's time is linear in its bytes "
     "and larger models scale these rows; state tensors are real host memory, which bounds the sizes run here."
+)
+
+LOWBIT_NOTE = (
+    "The 8-bit rows step torchao's AdamW8bit (its own update, not torch's fused AdamW: Note [low-bit rows] in "
+    "swapopt/bench/strategies.py); their x bound is over the fp32 states' bound of the size, and each swapped one's "
+    "note gives it over its own (its bytes over the link, or resident-8bit's step). On the simulator torchao runs "
+    "eagerly (torch.compile cannot run there), launching each op of its quantization where a GPU runs compiled "
+    "kernels, so the simulated 8-bit steps pay far more launches than a GPU's."
 )
 
 
@@ -79,14 +88,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--times", type=_ints, help="swapopt swap_optimizer_times sweep")
     ap.add_argument("--slots", type=_ints, help="swapopt slots sweep")
     ap.add_argument("--reference-times", type=_ints, help="one-in-flight chunkings")
-    ap.add_argument("--strategies", default=",".join(STRATEGY_DOCS),
-                    help=f"comma-separated subset of: {', '.join(STRATEGY_DOCS)}")
+    ap.add_argument("--strategies", default=",".join(DEFAULT_STRATEGIES),
+                    help=f"comma-separated subset of: {', '.join(STRATEGY_DOCS)} (default: all but "
+                    f"{', '.join(LOWBIT_STRATEGIES)}, whose eager quantization takes minutes on the simulator)")
     ap.add_argument("--warmup", type=int, default=None, help="warm-up steps (default 2; 1 simulated)")
     ap.add_argument("--repeats", type=int, default=None,
                     help="timed steps, median reported (default 5; 1 simulated: modeled time is deterministic)")
     ap.add_argument("--master-weights", action="store_true",
                     help="bf16 params stepped through fp32 masters swapped with the states (resident, swapopt, serial, "
-                         "one-in-flight); the bound counts 12 bytes a param each way")
+                         "one-in-flight, resident-8bit, swapopt-8bit); the bound counts 12 bytes a param each way")
     ap.add_argument("--sanitize", action="store_true",
                     help="keep the simulator's stream sanitizer on (the tests do; off here it runs about 2x faster)")
     ap.add_argument("--layouts", type=_names, default=[],
@@ -199,12 +209,13 @@ def _run(args: argparse.Namespace) -> tuple[Report, list[Path]]:
                     e2e_picture = timeline_chart(spans, path, title, marks)
 
     preset = dataclasses.asdict(mod.preset) if simulated else None
+    lowbit = any(r.kind in LOWBIT_STRATEGIES for s in results for r in s.rows)
     name = label if simulated else f"{label} ({device.get_device()})"
     report = Report(
         device="sim" if simulated else device.get_device(), device_name=name, torch=torch.__version__,
         date=f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC}", preset=preset, impl=cfg.impl,
         sizes=results, targets=[targets_for(s) for s in results], e2e=e2e, layouts=layouts,
-        notes=[SIM_NOTE] if simulated else [],
+        notes=([SIM_NOTE] if simulated else []) + ([LOWBIT_NOTE] if lowbit else []), command=args.command,
     )
     return report, _write_outputs(report, args.out, stem, timeline_png[0] if timeline_png else None, e2e_picture)
 
@@ -241,6 +252,8 @@ def _error(text: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # recorded in the report, so that a results file says how to make it again
+    args.command = shlex.join(["python", "-m", "swapopt.bench", *(sys.argv[1:] if argv is None else argv)])
     try:
         importlib.import_module("matplotlib")
     except ImportError:

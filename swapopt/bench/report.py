@@ -39,6 +39,7 @@ class Report(BaseModel):
     e2e: list[dict] = []
     layouts: list[LayoutResult] = []
     notes: list[str] = []
+    command: str = ""  # the command line that made the report
 
 
 def _swap_rows(size: SizeResult) -> list[Row]:
@@ -91,8 +92,8 @@ def size_table(size: SizeResult) -> str:
         + ".",
         "",
         "| strategy | reproduces | step ms | x bound | peak extra MB | chunk MB | cap MB | pinned host MB |"
-        " one step moved in / out MB (needs) | params changed | note |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---|---:|---|",
+        " one step moved in / out MB (needs) | B/param in / out | params changed | note |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|---|---:|---|",
     ]
     for r in size.rows:
         mb = [_mb(v) for v in (r.peak_extra_bytes, r.chunk_bytes, r.cap_bytes, r.host_bytes)]
@@ -100,7 +101,7 @@ def size_table(size: SizeResult) -> str:
         note = "; ".join(x for x in (f"ERROR: {r.error}" if r.error else "", r.note) if x)
         lines.append(
             f"| {r.label} | {r.reproduces} | {step} | {_fmt(r.ratio, '.2f')} | {' | '.join(mb)} | {moved(r)} | "
-            f"{changed(r)} | {note} |"
+            f"{per_param(r)} | {changed(r)} | {note} |"
         )
     return "\n".join(lines)
 
@@ -110,6 +111,13 @@ def moved(r: Row) -> str:
     if r.h2d_bytes is None:
         return "-"
     return f"{_mb(r.h2d_bytes)} / {_mb(r.d2h_bytes)} ({_mb(r.need_h2d_bytes)} / {_mb(r.need_d2h_bytes)})"
+
+
+def per_param(r: Row) -> str:
+    """Bytes a param one step moved 'in / out', or '-' where none ran."""
+    if r.h2d_bytes is None or not r.numel:
+        return "-"
+    return f"{r.h2d_bytes / r.numel:.3f} / {r.d2h_bytes / r.numel:.3f}"
 
 
 def changed(r: Row) -> str:
@@ -179,6 +187,8 @@ def markdown(report: Report, chart: str | None = None, timeline: str | None = No
         "",
         f"device `{report.device}`, torch {report.torch}, {report.date}, AdamW ({report.impl}) fp32 states.",
     ]
+    if report.command:
+        head.append(f"Command: `{report.command}`")
     if report.preset:
         head.append(
             f"Simulator preset: H2D {report.preset['h2d_gbps']} GB/s, D2H {report.preset['d2h_gbps']} GB/s, "

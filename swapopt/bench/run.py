@@ -14,10 +14,13 @@ from swapopt.bench.measure import Bandwidth, bound_ms, free_device_memory, measu
 from swapopt.bench.model import ModelShape, make_params, shape_for
 from swapopt.bench.proof import prove
 from swapopt.bench.strategies import (
+    DEFAULT_STRATEGIES,
+    LOWBIT_STRATEGIES,
     MASTER_WEIGHT_STRATEGIES,
     STRATEGY_DOCS,
     AdamWSpec,
     Impl,
+    lowbit_class,
     make_strategy,
     torchao_offload_class,
 )
@@ -27,6 +30,7 @@ MAX_PROBE_BYTES = 1 << 30
 # With master_weights the resident row is the recipe the swapped rows reproduce, not an fp32 job: bf16 params, fp32
 # masters and states on the device (strategies.Resident); the bound takes its time.
 RESIDENT_RECIPE = "the bf16 recipe: bf16 params, fp32 masters and AdamW states on the device"
+RESIDENT_LOWBIT_RECIPE = "the bf16 recipe over torchao AdamW8bit: fp32 masters and 8-bit states on the device"
 
 
 class BenchConfig(BaseModel):
@@ -35,7 +39,7 @@ class BenchConfig(BaseModel):
     times: list[int] = Field(default_factory=lambda: [8, 16, 32, 64])  # swap_optimizer_times sweep
     slots: list[int] = Field(default_factory=lambda: [2, 3])
     reference_times: list[int] = Field(default_factory=lambda: [16, 64])  # one-in-flight chunkings
-    strategies: list[str] = Field(default_factory=lambda: list(STRATEGY_DOCS))
+    strategies: list[str] = Field(default_factory=lambda: list(DEFAULT_STRATEGIES))
     warmup: int = 1
     repeats: int = 3
     bandwidth_repeats: int = 8
@@ -70,6 +74,10 @@ class Row(BaseModel):
     params_total: int | None = None
     error: str | None = None
     note: str = ""
+    # A row whose step moves other bytes than the size's states (the 8-bit rows, Note [low-bit rows]): its own
+    # bound, max(its bytes each way / link rate, its resident optimizer's step), and step_ms over it.
+    own_bound_ms: float | None = None
+    own_ratio: float | None = None
 
 
 class SizeResult(BaseModel):
@@ -102,6 +110,14 @@ def _plan(cfg: BenchConfig) -> list[tuple[str, int, int]]:
         plan += [("one-in-flight", t, 0) for t in cfg.reference_times]
     if "torchao-offload" in wanted and torchao_offload_class() is not None:
         plan.append(("torchao-offload", 0, 0))
+    if wanted & set(LOWBIT_STRATEGIES) and lowbit_class() is not None:
+        # resident first: its step is the floor of the swapped row's own bound; one swapped row, at the sweep's
+        # point nearest the default 16 chunks / 3 slots
+        if "resident-8bit" in wanted:
+            plan.append(("resident-8bit", 0, 0))
+        if "swapopt-8bit" in wanted:
+            times = min(cfg.times, key=lambda t: abs(t - 16), default=16)
+            plan.append(("swapopt-8bit", times, min(cfg.slots, key=lambda s: abs(s - 3), default=3)))
     return plan
 
 
@@ -177,7 +193,11 @@ def run_size(
     )
     rows: list[Row] = []
     for kind, times, slots in plan:
-        reproduces = RESIDENT_RECIPE if cfg.master_weights and kind == "resident" else STRATEGY_DOCS[kind]
+        reproduces = STRATEGY_DOCS[kind]
+        if cfg.master_weights and kind == "resident":
+            reproduces = RESIDENT_RECIPE
+        elif cfg.master_weights and kind == "resident-8bit":
+            reproduces = RESIDENT_LOWBIT_RECIPE
         row = Row(size_b=size_b, numel=shape.numel, kind=kind, label=kind, reproduces=reproduces)
 
         def measure(strategy: Any) -> None:
@@ -185,7 +205,7 @@ def run_size(
             row.step_ms, row.peak_extra_bytes = timing.step_ms, timing.peak_extra_bytes
             row.host_bytes = strategy.host_bytes()
             check_row(row, strategy, params)
-            if kind == "swapopt":
+            if kind in ("swapopt", "swapopt-8bit"):
                 row.times, row.slots = times, slots
                 row.chunk_bytes, row.cap_bytes = swap_budget(strategy.opt, slots)
                 if timeline_hook is not None and (kind, times, slots) == timeline_target:
@@ -204,6 +224,15 @@ def run_size(
     for r in rows:
         if r.step_ms is not None:
             r.ratio = r.step_ms / bound
+    lowbit_resident = next((r for r in rows if r.kind == "resident-8bit" and r.step_ms is not None), None)
+    for r in rows:
+        if r.kind == "swapopt-8bit" and r.step_ms is not None and r.need_h2d_bytes is not None:
+            r.own_bound_ms = bound_ms(r.need_h2d_bytes, r.need_d2h_bytes, bandwidth,
+                                      lowbit_resident.step_ms if lowbit_resident else 0.0)
+            r.own_ratio = r.step_ms / r.own_bound_ms
+            floor = f"resident-8bit {lowbit_resident.step_ms:.2f} ms" if lowbit_resident else "resident-8bit not run"
+            r.note = "; ".join(x for x in (r.note, (
+                f"{r.own_ratio:.2f}x its own bound {r.own_bound_ms:.2f} ms (its bytes over the link; {floor})")) if x)
     del params
     free_device_memory()
     return SizeResult(

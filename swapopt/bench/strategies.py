@@ -294,6 +294,101 @@ class SwapOptAuto(SwapOpt):
             _mod().set_per_process_memory_fraction(self._restore, self.params[0].device)
 
 
+# Note [low-bit rows]
+# torchao's AdamW8bit keeps each moment of a param of at least 4096 elements (a multiple of its block of 256) as
+# a tensor subclass: uint8 codes, an fp32 scale per block and a 256-entry fp32 lookup table; smaller params keep
+# fp32 moments. Swapped (swapopt.subclass_state), a step moves exactly those parts: about 2.03 bytes a param each
+# way instead of 8 (6.03 instead of 12 with master_weights). Its update is its own kernel, not torch's AdamW, so
+# these rows are compared with the same torchao optimizer resident (resident-8bit), whose step is the floor of
+# their own bound (Row.own_bound_ms). torchao compiles its update with torch.compile; the simulator cannot run
+# compiled code, so there both rows step eagerly (torch.compiler.set_stance("force_eager")), launching every op of
+# the quantization one by one, where a GPU runs a few fused kernels: the simulated rows pay those launches.
+LOWBIT_STATE_KEYS = ("exp_avg", "exp_avg_sq")
+
+
+def lowbit_class() -> type | None:
+    """torchao's AdamW8bit, or None when torchao is not importable."""
+    try:
+        from torchao.optim import AdamW8bit
+    except Exception:  # noqa: BLE001 - not installed, or built for another torch
+        return None
+    return AdamW8bit
+
+
+def _make_lowbit(params: Sequence[torch.Tensor], spec: AdamWSpec) -> torch.optim.Optimizer:
+    cls = lowbit_class()
+    if cls is None:
+        raise RuntimeError("the 8-bit rows need torchao (pip install torchao)")
+    return cls(params, lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay)
+
+
+def _eager_on_simulator():
+    """torch.compile run eagerly on the simulator (Note [low-bit rows]); nothing changes on a device."""
+    import contextlib
+
+    return torch.compiler.set_stance("force_eager") if device.is_simulated() else contextlib.nullcontext()
+
+
+def lowbit_state_bytes(states: dict, params: Sequence[torch.Tensor]) -> int:
+    """Bytes of the moments of ``params`` (those with a grad) in the optimizer state ``states``: a subclass
+    state's parts (codes, scales, lookup table), a plain state's own bytes."""
+    from swapopt import subclass_state
+
+    total = 0
+    for p in params:
+        if p.grad is None:
+            continue
+        for k in LOWBIT_STATE_KEYS:
+            v = states[p][k]
+            total += subclass_state.nbytes(v) if subclass_state.is_subclass_state(v) else v.numel() * v.element_size()
+    return total
+
+
+class ResidentLowBit(Resident):
+    """torchao's AdamW8bit with its states on the device (with master_weights: over fp32 masters on the device, the
+    recipe the swapped row reproduces)."""
+
+    reproduces = "torchao AdamW8bit, states on the device"
+
+    def __init__(self, params: Sequence[torch.Tensor], spec: AdamWSpec):
+        self.label = "resident-8bit"
+        self.params = list(params)
+        self.masters = [p.detach().float() for p in self.params] if spec.master_weights else self.params
+        self.opt = _make_lowbit(self.masters, spec)
+
+    def step(self) -> None:
+        with _eager_on_simulator():
+            super().step()
+
+
+class SwapOptLowBit(SwapOpt):
+    """swapopt.SwapOptimizer around torchao's AdamW8bit: every part of each 8-bit state swapped."""
+
+    reproduces = "swapopt over torchao AdamW8bit: the 8-bit states' parts swapped"
+
+    def __init__(self, params: Sequence[torch.Tensor], spec: AdamWSpec, times: int = 16, slots: int = 3):
+        from swapopt import SwapOptimizer
+
+        self.label = f"swapopt-8bit t={times} s={slots}"
+        self.times, self.slots = times, slots
+        self.params, self.spec = list(params), spec
+        self.opt = SwapOptimizer(
+            _make_lowbit(params, spec), swap_optimizer_times=times, slots=slots, master_weights=spec.master_weights
+        )
+
+    def step(self) -> None:
+        with _eager_on_simulator():
+            self.opt.step()
+
+    def moves(self) -> tuple[int, int]:
+        # The states' parts as they are (the first step creates them), and each fp32 master with master_weights.
+        self.opt.wait_for_swap_out()
+        n = lowbit_state_bytes(self.opt.state, self.params)
+        if self.spec.master_weights:
+            n += 4 * sum(p.numel() for p in self.params if p.grad is not None)
+        return n, n
+
+
 class SerialSwap(_HostStateStrategy):
     """XTuner SwapAdamW's schedule: per param, swap in, update, swap out, all on the caller's
     stream; one device synchronize at the end of the step."""
@@ -567,12 +662,19 @@ STRATEGY_DOCS: dict[str, str] = {
     "whole": WholeSwap.reproduces,
     "host-step": HostStep.reproduces,
     "torchao-offload": TorchaoOffload.reproduces,
+    "resident-8bit": ResidentLowBit.reproduces,
+    "swapopt-8bit": SwapOptLowBit.reproduces,
 }
 
 
 # The strategies with a master-weights form (AdamWSpec.master_weights): the others step on the host or move
 # all states at once, where fp32 masters change nothing of what they show.
-MASTER_WEIGHT_STRATEGIES = ("resident", "swapopt", "serial", "one-in-flight")
+MASTER_WEIGHT_STRATEGIES = ("resident", "swapopt", "serial", "one-in-flight", "resident-8bit", "swapopt-8bit")
+# The rows over torchao's AdamW8bit (Note [low-bit rows]): run where torchao is importable.
+LOWBIT_STRATEGIES = ("resident-8bit", "swapopt-8bit")
+# What a run does unless told: the 8-bit rows are asked for by name (--strategies), as on the simulator torchao's
+# eager quantization (some 30 ops a state, each launched alone) makes them cost minutes where the others take seconds.
+DEFAULT_STRATEGIES = tuple(k for k in STRATEGY_DOCS if k not in LOWBIT_STRATEGIES)
 
 
 def make_strategy(
@@ -597,4 +699,8 @@ def make_strategy(
         return HostStep(params, spec)
     if kind == "torchao-offload":
         return TorchaoOffload(params, spec)
+    if kind == "resident-8bit":
+        return ResidentLowBit(params, spec)
+    if kind == "swapopt-8bit":
+        return SwapOptLowBit(params, spec, times=times, slots=slots)
     raise ValueError(f"unknown strategy {kind!r}; choose from {sorted(STRATEGY_DOCS)}")
