@@ -62,8 +62,9 @@ def _refuse(optimizer: Any, per_param: bool) -> None:
     if isinstance(optimizer, SwapOptimizer):
         raise ValueError("this optimizer is already a SwapOptimizer; wrap the inner optimizer once")
     cls = type(optimizer)
-    if perparam.refusal(cls) is not None:
-        raise ValueError(perparam.refusal(cls))
+    reason = perparam.refusal(cls)
+    if reason is not None:
+        raise ValueError(reason)
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError(
             "LBFGS cannot be swapped: it keeps one flat history over all params and re-evaluates the closure "

@@ -99,3 +99,14 @@ def assert_params_and_states_equal(opt: SwapOptimizer, ps, ref: torch.optim.Opti
         assert set(st) == set(rt)
         for key in rt:
             assert torch.equal(torch.as_tensor(st[key]).cpu(), torch.as_tensor(rt[key]).cpu()), key
+
+
+# Element-wise Adams in the kernels a chunk's update can take (fused, foreach, for-loop with amsgrad and maximize,
+# a tensor lr): the cases both the direct and the flat chunk step are checked bitwise on.
+ADAM_KERNELS = [
+    lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, fused=True),
+    lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, foreach=True),
+    lambda ps: torch.optim.Adam(ps, lr=1e-2, foreach=False, amsgrad=True, maximize=True),
+    lambda ps: torch.optim.Adam(ps, lr=torch.tensor(1e-2), fused=True, weight_decay=0.05),
+]
+ADAM_KERNEL_IDS = ["adamw-fused", "adamw-foreach", "adam-forloop-amsgrad-maximize", "adam-fused-tensor-lr"]

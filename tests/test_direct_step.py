@@ -9,7 +9,7 @@ import torch
 
 import device
 import simdevice as simulator
-from stepping import assert_params_and_states_equal
+from stepping import ADAM_KERNEL_IDS, ADAM_KERNELS, assert_params_and_states_equal
 from swapopt import SwapOptimizer, direct
 
 STEPS = 4
@@ -63,13 +63,10 @@ KNOBS = [{"swap_optimizer_times": 1}, {"swap_optimizer_times": 2}, {"chunk_mb": 
 @pytest.mark.parametrize(
     "make",
     [
-        lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, fused=True),
-        lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, foreach=True),
-        lambda ps: torch.optim.Adam(ps, lr=1e-2, foreach=False, amsgrad=True, maximize=True),
-        lambda ps: torch.optim.Adam(ps, lr=torch.tensor(1e-2), fused=True, weight_decay=0.05),
+        *ADAM_KERNELS,
         lambda ps: torch.optim.Adam([{"params": ps[:2]}, {"params": ps[2:], "lr": 3e-3, "betas": (0.8, 0.9)}]),
     ],
-    ids=["adamw-fused", "adamw-foreach", "adam-forloop-amsgrad-maximize", "adam-fused-tensor-lr", "adam-groups"],
+    ids=[*ADAM_KERNEL_IDS, "adam-groups"],
 )
 @pytest.mark.parametrize("knobs", KNOBS, ids=["times1", "times2", "mixed"])
 def test_direct_step_is_bitwise_and_taken(make, knobs):

@@ -12,7 +12,7 @@ import torch
 
 import device
 import simdevice as simulator
-from stepping import assert_params_and_states_equal
+from stepping import ADAM_KERNEL_IDS, ADAM_KERNELS, assert_params_and_states_equal
 from swapopt import SwapOptimizer, direct, flat
 
 STEPS = 4
@@ -84,13 +84,10 @@ def _run(make, sizes=SAFE, *, steps=STEPS, grad_scale=None, skip_first=(), chann
 @pytest.mark.parametrize(
     "make",
     [
-        lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, fused=True),
-        lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, foreach=True),
-        lambda ps: torch.optim.Adam(ps, lr=1e-2, foreach=False, amsgrad=True, maximize=True),
-        lambda ps: torch.optim.Adam(ps, lr=torch.tensor(1e-2), fused=True, weight_decay=0.05),
+        *ADAM_KERNELS,
         lambda ps: torch.optim.Adam([{"params": ps[:2]}, {"params": ps[2:]}], lr=3e-3),  # two groups, alike
     ],
-    ids=["adamw-fused", "adamw-foreach", "adam-forloop-amsgrad-maximize", "adam-fused-tensor-lr", "adam-equal-groups"],
+    ids=[*ADAM_KERNEL_IDS, "adam-equal-groups"],
 )
 @pytest.mark.parametrize("times", [1, 3])
 def test_flat_update_is_bitwise_and_taken(make, times):
