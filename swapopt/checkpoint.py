@@ -426,11 +426,18 @@ def _plan_subclass(p: torch.Tensor, index: int, key: Any, value: torch.Tensor, e
     """A saved subclass state (Note [subclass states] in swapopt.subclass_state) goes part by part into the
     host subclass state p has, when its parts match, else into a new one; kept as it was saved (its class,
     parts and appearance dtype), as torch's own load keeps it."""
-    if is_dtensor(p) or is_dtensor(value):
+    if is_dtensor(p) != is_dtensor(value):
+        # a full subclass state cannot be sliced into this rank's shard block by block, nor a shard made whole
         raise ValueError(
-            f"{where}: a {type(hoststate.local(value)).__name__} state of a DTensor (FSDP2) param, or in a DTensor, "
-            "cannot be swapped yet (its parts would need DTensors of their own over the host shards)"
+            f"{where}: a {type(hoststate.local(value)).__name__} state {'in' if is_dtensor(value) else 'not in'} a "
+            f"DTensor for a param that is {'not ' if is_dtensor(value) else ''}one; load it through "
+            "torch.distributed.checkpoint, which hands each rank its shard"
         )
+    if is_dtensor(value):  # this rank's shard of the same layout (_local_piece's check), whole blocks
+        _local_piece(p, value, where)
+        if tuple(hoststate.local(value).shape) != tuple(hoststate.local(p).shape):
+            raise ValueError(f"{where}: local shape {tuple(hoststate.local(value).shape)} does not match the "
+                             f"param's {tuple(hoststate.local(p).shape)}")
     if tuple(value.shape) != tuple(p.shape):
         raise ValueError(f"{where}: shape {tuple(value.shape)} does not match the param's {tuple(p.shape)}")
     fits = (

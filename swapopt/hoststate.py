@@ -10,10 +10,9 @@ from typing import Any
 import torch
 
 import device
-from swapopt import internals, subclass_state
+from swapopt import internals, perparam, subclass_state
 from swapopt.internals import raw_step  # noqa: F401 - re-exported: statespec and probes step raw
 from swapopt.perparam import TORCH_ELEMENTWISE
-
 
 # torch's optimizers whose every non-scalar state has the param's shape and whose update of an element
 # reads only that element: one param may be split across chunks and stepped as flat pieces (the list
@@ -134,13 +133,8 @@ def memory_order(t: torch.Tensor) -> tuple[int, ...]:
 def pinned_empty_like(value: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """Pinned host memory shaped, typed (``dtype`` if given) and laid out (layout_strides) like ``value``'s
     local tensor, wrapped like ``value`` (a DTensor over the host shard for DTensors). A tensor-subclass state
-    gets the same subclass over pinned parts (Note [subclass states] in swapopt.subclass_state)."""
-    if is_dtensor(value) and subclass_state.is_subclass_state(local(value)):
-        raise NotImplementedError(
-            f"a {type(local(value)).__name__} optimizer state of a DTensor (FSDP2) param cannot be swapped yet: its "
-            "parts would need DTensors of their own over the host shards; swap it over plain (non-DTensor) params, "
-            "or run the low-bit optimizer unwrapped under FSDP2"
-        )
+    gets the same subclass over pinned parts, a DTensor one a DTensor of its layout over that (Note [subclass
+    states] in swapopt.subclass_state)."""
     if subclass_state.is_subclass_state(value):
         if dtype is not None and dtype != value.dtype:
             raise TypeError(f"a {type(value).__name__} state cannot be made {dtype}: its parts are quantized")
@@ -214,3 +208,42 @@ def probe_states(
     nbytes = sum(state_nbytes(v) for _, v in swapped)
     spec = tuple((k, v.dtype, tuple(v.shape) == tuple(tiny.shape)) for k, v in swapped)
     return -(-nbytes // tiny.numel()), spec
+
+
+def sized_probe(
+    optimizer: torch.optim.Optimizer, group: dict, param: torch.Tensor, step_fn, dtype: torch.dtype | None = None
+) -> tuple[int, int] | None:
+    """(bytes, count) of the swapped states the first step creates for ``param``, counting each part of a subclass
+    state (Note [subclass states] in swapopt.subclass_state), when their kind depends on the param's size; None
+    when it does not (probe_states' bytes per element hold), or when this probe cannot tell.
+
+    An optimizer outside torch.optim may choose its states by the param's size: torchao's low-bit ones quantize
+    a state only for params of at least 4096 elements, a multiple of the block size, so probe_states' tiny
+    param sees fp32 states. This probe steps a throwaway optimizer once over a meta param of the real local
+    shape (meta tensors take no memory and run no kernel), under torch.compiler's force_eager stance (a probe
+    never compiles anything: torchao compiles its update per shape otherwise). torch's own optimizers, and any
+    registered element-wise (its states shaped like the param by contract), keep the same kinds at every size and
+    are not probed again.
+    """
+    cls = type(optimizer)
+    if cls.__module__.split(".")[:2] == ["torch", "optim"] or perparam.is_elementwise(cls):
+        return None
+    loc = local(param)
+    # factories without a device (torchao's ``step``) make host scalars, which mix with meta tensors
+    with torch.device("cpu"):
+        meta = torch.zeros(tuple(loc.shape), dtype=dtype or loc.dtype, device="meta")
+        meta.grad = torch.zeros_like(meta)
+        settings = {k: (v.to("meta") if isinstance(v, torch.Tensor) else v) for k, v in group.items() if k != "params"}
+        try:
+            with torch.compiler.set_stance("force_eager"):
+                probe = cls([meta], **constructor_kwargs(cls, optimizer.defaults))
+                probe.param_groups[0].update(settings)
+                probe.param_groups[0]["params"] = [meta]
+                step_fn(probe)
+        except Exception:  # noqa: BLE001 - any failure only means "unknown"
+            return None
+    swapped = [v for k, v in probe.state[meta].items() if is_swapped_state(meta, k, v)]
+    if not any(subclass_state.is_subclass_state(v) for v in swapped):
+        return None
+    count = sum(len(subclass_state.parts(v)) if subclass_state.is_subclass_state(v) else 1 for v in swapped)
+    return sum(state_nbytes(v) for v in swapped), count

@@ -704,6 +704,15 @@ class HostLayout:
             swapped = [v for k, v in self.state[p].items() if is_swapped_state(p, k, v)]
             return sum(hoststate.state_nbytes(v) for v in swapped), len(swapped)
         loc = local(p)
+        dtype = self.ctx.masters.state_dtype(p)
+        sized_key = ("sized", gi, dtype, tuple(loc.shape), loc.device.type)
+        if sized_key not in self.probe_cache:  # states whose kind depends on p's size (hoststate.sized_probe)
+            self.probe_cache[sized_key] = hoststate.sized_probe(
+                self.ctx.optimizer, self.param_groups[gi], p, self.ctx.step_fn, dtype=dtype
+            )
+        sized = self.probe_cache[sized_key]
+        if sized is not None:
+            return base + sized[0], count + sized[1]
         probed = self.probe(p, gi)
         if probed is None:  # Adam-like guess: two states of the dtype p steps in
             name = type(self.ctx.optimizer).__name__

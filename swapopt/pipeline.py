@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import torch
 
@@ -250,6 +250,21 @@ class ChunkInputs:
             self.targets[pos].grad = None
 
 
+class ScalarRows:
+    """Rows of a snapshot stack (StepRun.snapshot_scalars), cut out when iterated: only a failing update reads
+    them back (Note [failure semantics]), so a step that succeeds makes no view per tensor."""
+
+    def __init__(self, stacked: torch.Tensor, rows: list[int]) -> None:
+        self.stacked, self.rows = stacked, rows
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        cut = self.stacked.unbind(0)
+        return iter([cut[i] for i in self.rows])
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+
 @dataclass(eq=False)
 class ScalarWatch:
     """The non-swapped states (step counts, Python scalars) in the state dicts of a plan's whole params,
@@ -262,12 +277,13 @@ class ScalarWatch:
     owners: list[dict]  # the state dicts, each once
     lens: list[int]  # and their lengths
     bounds: list[tuple[int, int, int, int]]  # per chunk: its entries [a, b) and its owners [c, d)
-    stacks: list[list[tuple[int, torch.Tensor]]]  # per (device, dtype, shape): (chunk, tensor state)
+    stacks: list[list[torch.Tensor]]  # per (device, dtype, shape): the tensor states, stacked by a snapshot
+    rows: list[list[tuple[int, list[torch.Tensor], list[int]]]]  # per chunk: (stack, its states, their rows)
 
     @classmethod
     def of(cls, prep: Prepared, state: Any) -> "ScalarWatch":
         stacks: dict[tuple, list[tuple[int, torch.Tensor]]] = defaultdict(list)
-        watch = cls([], [], [], [], [], [], [])
+        watch = cls([], [], [], [], [], [], [], [])
         for k, chunk in enumerate(prep.plan.chunks):
             a, c = len(watch.values), len(watch.owners)
             for piece in chunk.pieces:
@@ -287,7 +303,14 @@ class ScalarWatch:
                     watch.values.append(value)
             watch.bounds.append((a, len(watch.values), c, len(watch.owners)))
         watch.lens = list(map(len, watch.owners))
-        watch.stacks = list(stacks.values())
+        watch.stacks = [[value for _, value in members] for members in stacks.values()]
+        per_chunk: list[dict[int, tuple[list, list]]] = [{} for _ in prep.plan.chunks]
+        for si, members in enumerate(stacks.values()):
+            for row, (k, value) in enumerate(members):
+                own, rows = per_chunk[k].setdefault(si, ([], []))
+                own.append(value)
+                rows.append(row)
+        watch.rows = [[(si, own, rows) for si, (own, rows) in chunk.items()] for chunk in per_chunk]
         return watch
 
     def changed(self) -> set[int]:
@@ -622,20 +645,16 @@ class StepRun:
         in place, so that a failing update can put them back (Note [failure semantics]). Those are the
         existing non-swapped tensor states of params stepped whole (a split param's pieces step clones).
         Taken once per step, before the first update, as one stack per device, dtype and shape: one copy
-        launch per step rather than one per chunk. Also sets ``stale``, the chunks whose whole params'
+        launch per step rather than one per chunk, and no per-tensor work (the copies are the stack's rows,
+        cut out only by a failure, see ScalarRows). Also sets ``stale``, the chunks whose whole params'
         non-swapped states changed since the last step (all of them: None)."""
         prep = self.prep
         watch = prep.scalars
         self.stale = watch.changed() if watch is not None else None
         if self.stale is None or self.stale:
             watch = prep.scalars = ScalarWatch.of(prep, self.ctx.state)
-        per_chunk: list[tuple[list, list]] = [([], []) for _ in prep.plan.chunks]
-        for members in watch.stacks:
-            rows = torch.stack([value for _, value in members]).unbind(0)
-            for (k, value), row in zip(members, rows):
-                per_chunk[k][0].append(value)
-                per_chunk[k][1].append(row)
-        return [[pair] if pair[0] else [] for pair in per_chunk]
+        stacked = [torch.stack(values) for values in watch.stacks]
+        return [[(own, ScalarRows(stacked[si], rows)) for si, own, rows in chunk] for chunk in watch.rows]
 
     @staticmethod
     def handed(chunk_state: dict) -> tuple[int, list[int], list[Any]]:

@@ -12,6 +12,12 @@ sees the subclass rebuilt (``__tensor_unflatten__``, same class and metadata) ov
 the optimizer's own kernels update those in place; between steps opt.state holds the subclass rebuilt over
 the parts' pinned host tensors, which is also what state_dict, torch.save and DCP see.
 
+A DTensor (FSDP2) param's state is a DTensor whose local tensor is the subclass over the local shard (torchao
+builds it so). Such a state counts as a subclass state too: its parts are its local subclass's parts, and it is
+rebuilt as a DTensor with the same mesh, placements, global shape and stride over the rebuilt local subclass
+(swapopt.internals.dtensor_over: no copy onto the mesh's device), so every path above (swap, state_dict, DCP,
+offload) sees a DTensor of the same layout over host or slot parts, as torchao's resident one is over device parts.
+
 Every state has parts of its own (torchao makes a fresh qmap per state, never one tensor shared by params);
 ``parts`` still lists a tensor once per state, and swapping it once per state is correct even if two states
 shared one qmap, because the step only reads it: each copy holds the same values.
@@ -25,22 +31,39 @@ from typing import Any
 
 import torch
 
+from swapopt import internals
+
 SEP = "\0"  # part keys are "<state key>\0<attr>": no state key holds a NUL, so none collides with a part key
 
 
-def is_subclass_state(value: Any) -> bool:
-    """A state that is a tensor subclass holding its data in inner plain tensors (torchao's low-bit states).
-
-    DTensors are left out (swapopt handles them through their local shard), and so is a device's own tensor
-    type that wraps memory of another device (the simulator's tensors wrap host memory): the inner tensors of a
-    subclass state live on the device the state reports."""
-    if not isinstance(value, torch.Tensor) or type(value) is torch.Tensor or isinstance(value, torch.nn.Parameter):
-        return False
-    flatten = getattr(type(value), "__tensor_flatten__", None)
+def _dtensor_type() -> type | None:
     # DTensor is looked up, not imported (importing torch.distributed.tensor costs most of a second; none
     # exists before it is imported): swapopt.hoststate's is_dtensor, which imports this module
-    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
-    if flatten is None or (dtensor is not None and isinstance(value, dtensor)):
+    return getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+
+
+def _local(value: Any) -> Any:
+    """The local tensor of a DTensor, else ``value`` (swapopt.internals.dtensor_local: no autograd view)."""
+    dtensor = _dtensor_type()
+    if dtensor is not None and isinstance(value, dtensor):
+        return internals.dtensor_local(value)
+    return value
+
+
+def is_subclass_state(value: Any) -> bool:
+    """A state that is a tensor subclass holding its data in inner plain tensors (torchao's low-bit states), or a
+    DTensor whose local tensor is one (an FSDP2 param's low-bit state).
+
+    A DTensor over a plain tensor is left out (swapopt handles it through its local shard), and so is a device's
+    own tensor type that wraps memory of another device (the simulator's tensors wrap host memory): the inner
+    tensors of a subclass state live on the device the state reports."""
+    if not isinstance(value, torch.Tensor) or type(value) is torch.Tensor or isinstance(value, torch.nn.Parameter):
+        return False
+    loc = _local(value)
+    if loc is not value:
+        return is_subclass_state(loc)
+    flatten = getattr(type(value), "__tensor_flatten__", None)
+    if flatten is None:
         return False
     attrs, _ = value.__tensor_flatten__()
     inner = [getattr(value, a) for a in attrs]
@@ -49,7 +72,8 @@ def is_subclass_state(value: Any) -> bool:
 
 def parts(value: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     """(attr, plain tensor) of every tensor holding ``value``'s data, in flatten order; a subclass inside a
-    subclass is taken apart too (its attrs joined by '.')."""
+    subclass is taken apart too (its attrs joined by '.'); a DTensor's are its local subclass's."""
+    value = _local(value)
     out: list[tuple[str, torch.Tensor]] = []
     attrs, _ = value.__tensor_flatten__()
     for a in attrs:
@@ -63,7 +87,11 @@ def parts(value: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
 
 def rebuild(value: torch.Tensor, new: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """A subclass of ``value``'s class and metadata over the tensors ``new`` (attr -> tensor, as ``parts``
-    names them); attrs missing from ``new`` keep ``value``'s own tensors."""
+    names them); attrs missing from ``new`` keep ``value``'s own tensors. A DTensor gives a DTensor of its
+    layout over the rebuilt local subclass."""
+    loc = _local(value)
+    if loc is not value:
+        return internals.dtensor_over(rebuild(loc, new), value)
     attrs, meta = value.__tensor_flatten__()
     inner: dict[str, torch.Tensor] = {}
     for a in attrs:
@@ -114,7 +142,7 @@ def staged(key: Any, value: Any, views: Mapping[str, Any]) -> dict[str, Any] | N
 
 def same_parts(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Same class and parts of the same attrs, shapes and dtypes: ``b``'s parts can be copied into ``a``'s."""
-    if type(a) is not type(b) or tuple(a.shape) != tuple(b.shape):
+    if type(a) is not type(b) or tuple(a.shape) != tuple(b.shape) or type(_local(a)) is not type(_local(b)):
         return False
     pa, pb = parts(a), parts(b)
     return [(n, t.shape, t.dtype) for n, t in pa] == [(n, t.shape, t.dtype) for n, t in pb]

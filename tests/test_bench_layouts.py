@@ -140,6 +140,11 @@ def test_counter_counts_copies_and_kernels_like_the_timeline(sim):
         dev.add_(1.0)
         inner = count_call(lambda: dev.add_(1.0))
     assert inner.launches == 1 and outer.counts.launches == 2
+    # Every tensor an op is handed counts, list members included (Note [counting a tensor list costs per tensor]).
+    xs, ys = [torch.zeros(4) for _ in range(7)], [torch.ones(4) for _ in range(7)]
+    many = count_call(lambda: torch._foreach_add_(xs, ys, alpha=2.0))
+    assert (many.dispatched, many.tensor_args, many.launches) == (1, 14, 1)
+    assert count_call(lambda: torch.add(xs[0], ys[0], out=xs[1])).tensor_args == 3  # out= too
 
 
 def test_pinned_host_bytes_counts_each_storage_once(sim):

@@ -111,6 +111,25 @@ def test_steps_bitwise_to_itself_resident_moving_the_parts_bytes(sim, kind):
     assert codes.element_size() * codes.numel() == {"8bit": 4096, "4bit": 2048, "fp8": 4096}[kind]
 
 
+def test_first_step_plans_with_the_sizes_the_low_bit_states_have(sim):
+    # The first step plans before any state exists, from a probe: one over a meta param of each param's own shape
+    # (hoststate.sized_probe), which sees the quantized states torchao makes only for params of 4096 elements
+    # or more. So the first step's plan is the later steps' (the same plan, sizes and parts counted alike), and
+    # its swap-outs move the bytes every later step moves each way.
+    ps, opt, _, _ = _pair("8bit")
+    _step(opt, ps, 0)
+    first_plan, first_sizes = opt._layout.prepared.plan, opt._layout.plan_cache[0]
+    first_d2h = opt.swap_stats().d2h_bytes
+    nbytes = _swapped_bytes(opt, ps)
+    for i in range(1, 3):
+        _step(opt, ps, i)
+        assert opt._layout.prepared.plan is first_plan and opt._layout.plan_cache[0] == first_sizes, i
+        stats = opt.swap_stats()
+        assert stats.h2d_bytes == stats.d2h_bytes == first_d2h == nbytes, i
+    # the quantized param's planned bytes are its states' parts (codes, scale, qmap of two moments), not fp32's
+    assert first_sizes[0][0].state_bytes == subclass_state.nbytes(opt.state[ps[0]]["exp_avg"]) * 2 == 10368
+
+
 # fail_step 0: while the states are being created; 1: steady state
 @pytest.mark.parametrize(("kind", "fail_step"), [("8bit", 1), ("4bit", 0), ("fp8", 1)])
 def test_failure_in_a_chunk_leaves_each_param_stepped_or_untouched(sim, kind, fail_step):
@@ -223,8 +242,8 @@ def test_offload_and_onload_keep_resident_subclass_states_exact(sim):
     # resident_mb keeps the first params' states on the device; offload moves them into host memory part by
     # part (as subclasses, not dequantized) and the next step makes them resident again.
     # 11000 bytes: the quantized param's states (10368 bytes) and the (7, 9) param's plain ones (504) fit, the
-    # (100,) param's (800) do not. Step 1 plans with the probe's fp32 guess, which leaves the quantized param
-    # swapped: step 2 makes its states resident, once their swap-out has landed.
+    # (100,) param's (800) do not. Step 1 plans with those sizes (hoststate.sized_probe), so both are resident
+    # from the start.
     ps, opt, rs, ref = _pair("8bit", resident_mb=11000 / 2**20)
     for i in range(2):
         _step(opt, ps, i)
@@ -314,26 +333,33 @@ def test_master_weights_is_the_recipe_over_low_bit_states(sim):
     assert opt.swap_stats().h2d_bytes == opt.swap_stats().d2h_bytes == 4 * numel + _swapped_bytes(opt, ps)
 
 
-def test_low_bit_states_of_dtensor_params_are_refused_saying_why(pg):
-    # FSDP2 params make torchao wrap each state in a DTensor over its local subclass: swapping one would need
-    # DTensors over the host parts, which swapopt does not make yet, so it refuses rather than dequantize.
+def test_a_dtensor_low_bit_state_is_taken_apart_through_its_local_subclass(pg):
+    # FSDP2 params make torchao wrap each state in a DTensor over its local subclass: its parts are the local
+    # subclass's, and it is rebuilt (host copies, slot views) as a DTensor of the same layout over the rebuilt
+    # subclass. Swapped end to end, with DCP on 1 and 2 ranks: tests/test_lowbit_dcp.py.
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor import DTensor, Shard
 
     from swapopt import hoststate
 
-    state = optim.AdamW8bit._subclass_zeros(torch.zeros(64, 64, device="cpu"), True, 256)
-    mesh = init_device_mesh("cpu", (1,))
-    wrapped = DTensor.from_local(state, mesh, [Replicate()], run_check=False)
-    assert subclass_state.is_subclass_state(hoststate.local(wrapped)) and not subclass_state.is_subclass_state(wrapped)
-    with pytest.raises(NotImplementedError, match="OptimState8bit optimizer state of a DTensor .* cannot be swapped"):
-        hoststate.pinned_empty_like(wrapped)
-    # and at load, before anything changes
+    state = optim.AdamW8bit._subclass_zeros(torch.ones(64, 64, device=device.torch_device()), True, 256)
+    mesh = init_device_mesh(device.torch_device().type, (1,))
+    wrapped = DTensor.from_local(state, mesh, [Shard(0)], run_check=False)
+    assert subclass_state.is_subclass_state(wrapped)
+    assert [a for a, _ in subclass_state.parts(wrapped)] == ["codes", "scale", "qmap"]
+    assert subclass_state.nbytes(wrapped) == subclass_state.nbytes(state) == 4096 + 16 * 4 + 256 * 4
+    host = hoststate.pinned_empty_like(wrapped)
+    assert isinstance(host, DTensor) and host.placements == wrapped.placements and host.shape == wrapped.shape
+    assert type(hoststate.local(host)) is type(state) and subclass_state.same_parts(host, wrapped)
+    assert all(device.is_host_tensor(t) and t.is_pinned() for _, t in subclass_state.parts(host))
+    copied = hoststate.pinned_copy(wrapped)
+    assert all(torch.equal(a.cpu(), b) for (_, a), (_, b) in zip(subclass_state.parts(wrapped), subclass_state.parts(copied)))
+    # a DTensor state for a plain param (or the other way round) is refused at load, before anything changes
     p = torch.nn.Parameter(torch.zeros(64, 64, device=device.torch_device()))
     opt = SwapOptimizer(optim.AdamW8bit([p], lr=1e-2))
     sd = opt.state_dict()
     sd["state"] = {0: {"step": torch.tensor(1.0), "exp_avg": wrapped, "exp_avg_sq": wrapped}}
-    refusal = "param 0, state .exp_avg.: a OptimState8bit state of a DTensor .FSDP2. param, or in a DTensor, cannot"
+    refusal = "param 0, state .exp_avg.: a OptimState8bit state in a DTensor for a param that is not one; load it through"
     with pytest.raises(ValueError, match=refusal):
         opt.load_state_dict(sd)
     assert not opt.state
@@ -364,3 +390,23 @@ def test_a_qmap_shared_by_two_states_loads_and_steps_bitwise(sim):
         opt.step()
         ref.step()
     _assert_same(ps, opt, rs, ref)
+
+
+def test_the_quick_bench_has_the_low_bit_rows():
+    # Unless --strategies names some: on a device every strategy runs at the run's sizes, the 8-bit rows included;
+    # on the simulator they run apart at SIM_LOWBIT_SIZE (eager torchao costs minutes there at 0.1B), and not at
+    # all when --sizes asks for sizes.
+    from swapopt.bench.__main__ import parse_args, run_strategies
+    from swapopt.bench.strategies import (
+        ALL_STRATEGIES,
+        LOWBIT_STRATEGIES,
+        SIM_LOWBIT_SIZE,
+    )
+
+    strategies, apart = run_strategies(parse_args([]), simulated=False)
+    assert strategies == list(ALL_STRATEGIES) and set(LOWBIT_STRATEGIES) <= set(strategies) and apart == []
+    strategies, apart = run_strategies(parse_args([]), simulated=True)
+    assert not set(LOWBIT_STRATEGIES) & set(strategies) and "swapopt" in strategies and apart == [SIM_LOWBIT_SIZE]
+    assert run_strategies(parse_args(["--sizes", "0.001"]), simulated=True)[1] == []
+    named = parse_args(["--strategies", "resident,swapopt-8bit"])
+    assert run_strategies(named, simulated=True) == (["resident", "swapopt-8bit"], [])

@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from device.sim.ops import _packets, arg_value
+from device.sim.ops import _arg_names, _packets, arg_value
 
 
 class Flops(NamedTuple):
@@ -82,15 +82,29 @@ def _matmul_dims(a: Sequence[int], b: Sequence[int]) -> float:
     return math.prod(batch) * a2[-2] * a2[-1] * b2[-1]
 
 
+# id(op) -> (op, its two operands' positions and names, whether it is linear): what _mm looks up, once per op
+# (an op's packet is a Python property and hashes in Python). The op is kept so that its id stays its own.
+_MM_OPS: dict[int, tuple[Any, int, int, str, str, bool]] = {}
+
+
 def _mm(func: Any, args: tuple, kwargs: dict) -> Flops | None:
-    packet = func.overloadpacket
-    first, second = _MM_OPERANDS[packet]
-    a = arg_value(func, args, kwargs, first)
-    b = arg_value(func, args, kwargs, second)
-    sa, sb = _shape(a), _shape(b)
+    known = _MM_OPS.get(id(func))
+    if known is None:
+        packet = func.overloadpacket
+        first, second = _MM_OPERANDS[packet]
+        names = _arg_names(func)
+        known = (func, names.index(first), names.index(second), first, second, packet is torch.ops.aten.linear)
+        _MM_OPS[id(func)] = known
+    _, i, j, first, second, linear = known
+    n = len(args)
+    # arg_value and _shape, written out
+    a = args[i] if i < n else kwargs.get(first)
+    b = args[j] if j < n else kwargs.get(second)
+    sa = tuple(a.shape) if isinstance(a, torch.Tensor) else None
+    sb = tuple(b.shape) if isinstance(b, torch.Tensor) else None
     if sa is None or sb is None or not sa or not sb:
         return None
-    if packet is torch.ops.aten.linear:  # weight is (out, in): input @ weight.T
+    if linear:  # weight is (out, in): input @ weight.T
         macs = math.prod(sa) * sb[0] if len(sb) == 2 else math.prod(sa)
     else:  # addbmm sums its batch into one matrix: the work is still the bmm's
         macs = _matmul_dims(sa, sb)
@@ -234,18 +248,23 @@ _CONVOLUTION = _packets("convolution", "_convolution", "convolution_backward")
 
 def priced_by_flops(func: Any) -> bool:
     """Whether op_flops can give `func` a count (else it is None for every call)."""
+    return flops_counter(func) is not None
+
+
+def flops_counter(func: Any) -> Callable[[Any, tuple, dict], Flops | None] | None:
+    """What op_flops calls for `func` (None: it has no count), for a caller that asks once per op."""
     packet = getattr(func, "overloadpacket", None)
-    return packet in _MM_OPERANDS or packet in _ATTENTION or packet in _CONVOLUTION
+    if packet in _MM_OPERANDS:
+        return _mm
+    if packet in _ATTENTION:
+        return _attention
+    if packet in _CONVOLUTION:
+        return _convolution
+    return None
 
 
 def op_flops(func: Any, args: tuple, kwargs: dict) -> Flops | None:
     """FLOPs and the precision whose peak prices them, for ops bound by arithmetic; None for all others
     (their time is their bytes). Cheap for the common case: one dictionary lookup."""
-    packet = getattr(func, "overloadpacket", None)
-    if packet in _MM_OPERANDS:
-        return _mm(func, args, kwargs)
-    if packet in _ATTENTION:
-        return _attention(func, args, kwargs)
-    if packet in _CONVOLUTION:
-        return _convolution(func, args, kwargs)
-    return None
+    counter = flops_counter(func)
+    return None if counter is None else counter(func, args, kwargs)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import sys
 import threading
 import time
 import weakref
@@ -53,7 +54,7 @@ from device.sim.presets import PRESETS, SimPreset, get_preset, resolve_preset
 from device.sim.race_checks import RaceChecks
 from device.sim.sanitizer import HOST, Access, Clocks, StreamRaceError
 from device.sim.storages import Storages
-from device.sim.streams import SimEvent, SimStream, StreamOrdering
+from device.sim.streams import SimEvent, SimStream, StreamOrdering, ThreadState
 from device.sim.timeline import Timeline, TimelineOp
 
 __all__ = [
@@ -135,6 +136,7 @@ class SimDevice(Storages, StreamOrdering, Dispatch, RaceChecks, OutsideDispatch)
         self._timeline = Timeline(self.preset)
         self._storages: dict[int, _Storage] = {}  # StorageImpl address -> info; entries die with the storage
         self._uid = 0
+        self._finalizers: dict[int, tuple[weakref.ref, int, int]] = {}  # Storages._register: storages' references
         self._first_uid: dict[int, int] = {}  # storages free_storage emptied (alive, maybe given memory again): their id
         self._live_host = 0
         self._peak_host = 0
@@ -156,7 +158,7 @@ class SimDevice(Storages, StreamOrdering, Dispatch, RaceChecks, OutsideDispatch)
         self._mode = _SimMode(self)
         self._grad_mode = _StreamTagMode(self)
         # Per thread: current stream (thread-local, as in PyTorch), host actor, backward bookkeeping.
-        self._tls = threading.local()
+        self._tls = ThreadState()
         self._lock = threading.RLock()
         self._late_frees: list[tuple[int, int]] = []
         # Note [collective tensors at exit]: tensors a collective took, by id, until no C++ holder is left.
@@ -192,7 +194,7 @@ class SimDevice(Storages, StreamOrdering, Dispatch, RaceChecks, OutsideDispatch)
 
     def current_device(self) -> int:
         """The calling thread's device: 0 until set_device, as on CUDA and torch_npu."""
-        return getattr(self._tls, "device", 0)
+        return self._tls.device
 
     def set_device(self, device: int | str | torch.device) -> None:
         index = self._index(device)
@@ -301,7 +303,11 @@ class SimDevice(Storages, StreamOrdering, Dispatch, RaceChecks, OutsideDispatch)
         torch._C._set_multithreading_enabled(False)  # Note [backward on the caller's thread]
         logger.debug("simulated device {} active", self.preset.name)
 
-    def _stop(self) -> None:
+    def _stop(self, _finalizing: Any = sys.is_finalizing) -> None:
+        if _finalizing():
+            # An activate() block left open (`activate().__enter__()` without `with`), closed as the interpreter
+            # tears its modules down: torch's and this package's globals may be gone, and nothing runs after.
+            return
         self._release_collectives(everything=True)  # the process goes on: a late worker may take the GIL
         torch._C._set_multithreading_enabled(self._multithreading)
         self._grad_mode.__exit__(None, None, None)

@@ -7,7 +7,7 @@ timeline (device/sim/timeline.py)."""
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
@@ -15,81 +15,26 @@ from torch._subclasses.fake_tensor import FakeTensor
 from device.sim import kernels, npu_ops
 from device.sim.accesses import DEVICE, HOST_MEM, HOST_OUT, PINNED_OUT, op_lane
 from device.sim.accesses import Arg as _Arg
-from device.sim.costs import op_flops, priced_by_flops
 from device.sim.memory import OutOfMemoryError
-from device.sim.ops import OpInfo, fresh_returns, factory_bytes, fresh_outputs, new_outputs, op_info, tensors
-from device.sim.tensor import _CPU, _META_INPLACE, _MIX_FREE, SimTensor, _check_same_device, _sync_metadata, _unwrap
-from device.sim.tensor import wrap, wrap_outputs
-from device.sim.tensor import check_fused_optimizer, is_fused_optimizer
+from device.sim.ops import OpInfo, factory_bytes, fresh_outputs, new_outputs, tensors
+from device.sim.plans import _PLANS, _Plan, _plan
+from device.sim.tensor import (
+    _CPU,
+    _META_INPLACE,
+    _PLACEHOLDER_BYTES,
+    SimTensor,
+    _check_same_device,
+    _make_wrapper_subclass,
+    _sync_metadata,
+    _unwrap,
+    check_fused_optimizer,
+    wrap_outputs,
+)
 from device.sim.timeline import Timeline
 
 # Tensor types whose __torch_dispatch__ is this one have no subclass behavior (plain tensors, Parameter).
 _PLAIN_DISPATCH = torch.Tensor.__torch_dispatch__
-
-
-class _Plan(NamedTuple):
-    """What Dispatch asks of an op on every call, worked out once per op (an op's schema and packet are rebuilt
-    or looked up on every access)."""
-
-    op: OpInfo
-    packet: Any
-    profiler: bool  # a profiler range op (record_function)
-    fused: bool  # a fused optimizer kernel (device.sim.tensor._FUSED_OPTIMIZERS)
-    same_device: bool  # CUDA's one-device rule applies (not fused, not a copy, not in _MIX_FREE)
-    pins: bool  # is_pinned or _pin_memory
-    has_out: bool  # takes an out= argument
-    kernel: Any  # the simulator's own kernel for device tensors (device.sim.kernels.device_kernel), or None
-    npu_kind: str | None  # how the npu flavour runs it (device.sim.kernels.npu_kind)
-    fresh: tuple[bool, ...]  # per return: aliases no input (device.sim.ops.fresh_outputs)
-    flops: bool  # priced by arithmetic as well as bytes (device.sim.costs.priced_by_flops)
-    view: bool  # only looks at its tensors and allocates nothing: a view or metadata op (Dispatch._view_op)
-    call: Any  # what runs the op: its C++ callable (OpOverload.__call__ is one more Python frame per op)
-    func: Any  # the op itself: kept alive, so that its id stays its own while _PLANS holds the plan
-
-
-# id(op) -> its _Plan. Keyed by id: an OpOverload hashes in Python (torch/_ops.py), a cost on every op.
-_PLANS: dict[int, _Plan] = {}
-
-
-def _plan(func: Any) -> _Plan:
-    plan = _PLANS.get(id(func))
-    if plan is None:
-        plan = _PLANS[id(func)] = _make_plan(func)
-    return plan
-
-
-def _make_plan(func: Any) -> _Plan:
-    op = op_info(func)
-    packet = func.overloadpacket
-    fused = is_fused_optimizer(func)
-    pins = packet is torch.ops.aten.is_pinned or packet is torch.ops.aten._pin_memory
-    has_out = any(role == "o" for _, _, role in op.roles)
-    kernel = kernels.device_kernel(func)
-    npu_kind = kernels.npu_kind(func)
-    profiler = func.namespace == "profiler"
-    # Arguments that place or pin new tensors take _device_dispatch's own branches.
-    placing = any(a.name in ("device", "pin_memory", "non_blocking") for a in func._schema.arguments)
-    view = (
-        not profiler and not fused and not pins and not has_out and not placing and kernel is None and npu_kind is None
-        and not op.new_outputs and not op.resize and not op.copy and packet not in _META_INPLACE
-        and func.namespace == "aten" and all(role == "v" for _, _, role in op.roles)
-    )  # fmt: skip
-    return _Plan(
-        op=op,
-        packet=packet,
-        profiler=profiler,
-        fused=fused,
-        same_device=not (fused or packet in _MIX_FREE or op.copy),
-        pins=pins,
-        has_out=has_out,
-        kernel=kernel,
-        npu_kind=npu_kind,
-        fresh=fresh_returns(func),
-        flops=priced_by_flops(func),
-        view=view,
-        call=func._op if type(func) is torch._ops.OpOverload else func,
-        func=func,
-    )
+_autograd_node = torch._C._current_autograd_node
 
 
 def _holds_tensors(value: Any) -> bool:
@@ -212,7 +157,13 @@ class Dispatch:
             for w in found:
                 if w._elem is out:  # returns its input (lift_fresh, detach_)
                     return w
-            return wrap(out, device)
+            # wrap(out, device), written out: most ops of a training step come here
+            made = _make_wrapper_subclass(
+                SimTensor, out.size(), strides=out.stride(), storage_offset=out.storage_offset(), dtype=out.dtype,
+                layout=out.layout, device=device, requires_grad=False, storage_size=_PLACEHOLDER_BYTES,
+            )  # fmt: skip
+            made._elem = out
+            return made
         return wrap_outputs(out, found, [], device, plan.packet)
 
     def _route(self, device: Any) -> int:
@@ -304,6 +255,21 @@ class Dispatch:
             self._host_sync_stream()  # ... and its copies back are synchronous too
         if place < 0 and not found:
             return out
+        if type(out) is torch.Tensor and place >= 0 and not plan.has_out:
+            # One tensor on a device (most ops that compute): wrap_outputs' answer, written out.
+            for w in found:
+                if w._elem is out:  # an input returned (in place)
+                    if packet in _META_INPLACE:
+                        _sync_metadata(w)
+                    return w
+            if not any(h is out for h in hosts):  # a new tensor
+                made = _make_wrapper_subclass(
+                    SimTensor, out.size(), strides=out.stride(), storage_offset=out.storage_offset(),
+                    dtype=out.dtype, layout=out.layout, device=self._device_objects.get(place)
+                    or self._torch_device_of(place), requires_grad=False, storage_size=_PLACEHOLDER_BYTES,
+                )  # fmt: skip
+                made._elem = out
+                return made
         wrapped = self._wrap(out, found, hosts, place, packet)
         if found and plan.has_out:
             # An out= argument the kernel resized (an empty `out`, as torch allows): its wrapper takes the
@@ -377,7 +343,7 @@ class Dispatch:
     def _host_op(self, func: Any, op: OpInfo, args: tuple, kwargs: dict, accesses: list[_Arg]) -> Any:
         tracked = [a for a in accesses if a.info is not None]
         if self.sanitize and tracked:
-            host = self._host()
+            host = self._tls.host  # _host()
             epoch = self._clocks.tick(host)
             self._check_and_log(op.name, [(a, host, epoch) for a in tracked])
         out = func(*args, **kwargs)
@@ -387,7 +353,8 @@ class Dispatch:
                 if self._lookup(storage) is None:
                     self._register(storage, HOST_MEM)
         elif not op.alloc_only:
-            self._timeline.host_op(sum(a.tensor.nbytes for a in accesses), op.name, self._label())
+            labels = self._labels
+            self._timeline.host_op(sum(a.tensor.nbytes for a in accesses), op.name, labels[-1] if labels else None)
         return out
 
     def _stream_op(
@@ -406,7 +373,8 @@ class Dispatch:
         kernel cannot compute it (plan.kernel, device.sim.kernels.device_kernel)."""
         op = plan.op
         kernel = plan.kernel if has_device else None
-        stream = self._op_stream()
+        node = _autograd_node()  # _op_stream(), written out
+        stream = self._node_stream(node) if node is not None else (self._tls.current or self._default)
         index = place if place >= 0 else None
         if not has_input:  # a factory: refuse before allocating
             need = factory_bytes(func, args, kwargs)
@@ -425,9 +393,10 @@ class Dispatch:
             blocking = True
             self.strided_copies += 1
 
-        host = self._host()
-        self._clocks.merge_actor(stream.actor, host)  # a launch follows everything the host did before it
-        epoch = self._clocks.tick(stream.actor)
+        host = self._tls.host  # _host()
+        clocks = self._clocks
+        clocks.merge(stream.actor, clocks._vc[host])  # merge_actor: a launch follows everything the host did before it
+        epoch = clocks.tick(stream.actor)
         if self.sanitize and accesses:
             # Copies access host memory from the stream; other kernels only take host scalars, read at launch.
             host_epoch = 0
@@ -483,7 +452,7 @@ class Dispatch:
             nbytes = sum(a.tensor.element_size() for a in accesses)
         else:
             nbytes = sum(a.tensor.nbytes for a in accesses if a.writes) + sum(t.nbytes for t in new)
-        flops = op_flops(func, args, kwargs) if plan.flops and lane == "compute" else None
+        flops = plan.flops(func, args, kwargs) if plan.flops is not None and lane == "compute" else None
         # The tensors it takes set the host's cost of issuing it (Note [host clock] in device/sim/timeline.py).
         labels = self._labels
         timed = self._timeline.launch(stream.name, stream.tail_us, lane, nbytes, op.name, labels[-1] if labels else None,

@@ -19,13 +19,19 @@ from typing import Any, TypeVar
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-_local = threading.local()
+class _Counters(threading.local):
+    """Per thread; the class attributes are a thread's starting values (read without a check on every entry)."""
+
+    depth = 0  # counted frames open
+    start = 0.0  # thread CPU time when the outermost one began
+    total = 0.0  # CPU seconds inside counted frames, closed ones
+    calls = 0  # outermost entries
+
+
+_local = _Counters()
 
 
 def _state() -> Any:
-    st = _local.__dict__
-    if "depth" not in st:
-        _local.depth, _local.start, _local.total, _local.calls = 0, 0.0, 0.0, 0
     return _local
 
 
@@ -61,8 +67,8 @@ def counted(fn: F) -> F:
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        # enter() and leave(), written out: this wraps every op the simulator sees.
-        st = _local if "depth" in _local.__dict__ else _state()
+        # enter() and leave(), written out: this wraps every stream, event and memory call the simulator sees.
+        st = _local
         if st.depth == 0:
             st.start = time.thread_time()
             st.calls += 1
@@ -140,15 +146,44 @@ def entry_costs() -> tuple[float, float]:
     from torch.overrides import TorchFunctionMode
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    class _Function(TorchFunctionMode):
-        @counted
-        def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+    from device.sim.frames import skip_dynamo
+
+    # Counted as the simulator's modes count themselves, in their own frame (device/sim/modes.py).
+    def dispatch(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        counters = _local
+        if counters.depth == 0:
+            counters.start = time.thread_time()
+            counters.calls += 1
+        counters.depth += 1
+        try:
             return func(*args, **(kwargs or {}))
+        finally:
+            counters.depth -= 1
+            if counters.depth == 0:
+                counters.total += time.thread_time() - counters.start
+
+    skips = skip_dynamo(dispatch.__code__)
+
+    class _Function(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            counters = _local
+            if counters.depth == 0:
+                counters.start = time.thread_time()
+                counters.calls += 1
+            counters.depth += 1
+            try:
+                return func(*args, **(kwargs or {}))
+            finally:
+                counters.depth -= 1
+                if counters.depth == 0:
+                    counters.total += time.thread_time() - counters.start
 
     class _Dispatch(TorchDispatchMode):
-        @counted
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-            return func(*args, **(kwargs or {}))
+        @classmethod
+        def _should_skip_dynamo(cls) -> bool:
+            return not skips  # as the simulator's mode (device/sim/modes.py)
+
+        __torch_dispatch__ = dispatch
 
     class _Wrapped(torch.Tensor):  # the simulator's tensors are a subclass: torch checks each argument's type
         pass

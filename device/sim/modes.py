@@ -4,8 +4,10 @@ TorchFunctionMode that records on each autograd node the stream its forward op r
 from __future__ import annotations
 
 import functools
+import gc
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
@@ -14,9 +16,11 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from device.sim import host_time
 from device.sim.active import _ACTIVE, active
 from device.sim.entry_points import _routed, routes_cuda
-from device.sim.host_time import counted
+from device.sim.frames import skip_dynamo
+from device.sim.plans import _PLANS, _plan
 
 if TYPE_CHECKING:
     from device.sim.device import SimDevice
@@ -25,31 +29,76 @@ if TYPE_CHECKING:
 
 _UNLOCKED = frozenset({"c10d", "_c10d_functional", "c10d_functional", "_dtensor"})
 
+_thread_time = time.thread_time
+_counters = host_time._local
+_autograd_node = torch._C._current_autograd_node
+_gc_isenabled, _gc_disable, _gc_enable = gc.isenabled, gc.disable, gc.enable
+
+
+# Note [garbage collection inside an op]
+# An op over many tensors (a foreach or fused optimizer kernel over thousands) makes several tracked Python objects
+# per tensor while the simulator checks and records it (accesses, log records), and the collector's thresholds
+# count them: it would run its young generations hundreds of times inside one such op, and the full collection
+# (every live object, the program's included) several times, at more than the rest of the op's cost. So the
+# collector is paused while the simulator handles an op (if it was on): what the op made is collected with the
+# program's objects after it. Cycles the program dropped are collected as before, only not in the middle of an op.
+
+
+def _sim_dispatch(self: _SimMode, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+    """_SimMode.__torch_dispatch__. Its CPU time is the simulator's (host_time.counted, written out: this runs for
+    every op)."""
+    counters = _counters
+    if counters.depth == 0:
+        counters.start = _thread_time()
+        counters.calls += 1
+    counters.depth += 1
+    try:
+        kwargs = kwargs or {}
+        sim = self.sim
+        if not _ACTIVE or _ACTIVE[-1] is not sim:  # an outer simulator while an inner one is active (active())
+            return func(*args, **kwargs)
+        namespace = (_PLANS.get(id(func)) or _plan(func)).namespace  # func.namespace is a Python property
+        if namespace in _UNLOCKED:
+            # Collectives may block until another thread (a gloo worker, a peer rank's progress) runs:
+            # holding the lock across them could deadlock.
+            out = sim._dispatch(func, types, args, kwargs)
+            if namespace != "_dtensor":
+                sim._hold_collective(args, kwargs, out)  # Note [collective tensors at exit]
+            return out
+        with sim._lock:  # threads share the simulator's clocks, logs and memory model
+            paused = _gc_isenabled()
+            if paused:  # Note [garbage collection inside an op]
+                _gc_disable()
+            try:
+                if _autograd_node() is None:
+                    return sim._dispatch(func, types, args, kwargs)
+                try:
+                    return sim._dispatch(func, types, args, kwargs)
+                except Exception as err:  # Note [backward on the caller's thread]
+                    return sim._deferred(err, func, args, kwargs)
+            finally:
+                if paused:
+                    _gc_enable()
+    finally:
+        counters.depth -= 1
+        if counters.depth == 0:
+            counters.total += _thread_time() - counters.start
+
+
+_SKIPS_DYNAMO = skip_dynamo(_sim_dispatch.__code__)
+
 
 class _SimMode(TorchDispatchMode):
     def __init__(self, sim: SimDevice) -> None:
         super().__init__()
         self.sim = sim
 
-    @counted
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if not _ACTIVE or _ACTIVE[-1] is not self.sim:  # an outer simulator while an inner one is active (active())
-            return func(*args, **kwargs)
-        if func.namespace in _UNLOCKED:
-            # Collectives may block until another thread (a gloo worker, a peer rank's progress) runs:
-            # holding the lock across them could deadlock.
-            out = self.sim._dispatch(func, types, args, kwargs)
-            if func.namespace != "_dtensor":
-                self.sim._hold_collective(args, kwargs, out)  # Note [collective tensors at exit]
-            return out
-        with self.sim._lock:  # threads share the simulator's clocks, logs and memory model
-            if torch._C._current_autograd_node() is None:
-                return self.sim._dispatch(func, types, args, kwargs)
-            try:
-                return self.sim._dispatch(func, types, args, kwargs)
-            except Exception as err:  # Note [backward on the caller's thread]
-                return self.sim._deferred(err, func, args, kwargs)
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # Whether torch should wrap __torch_dispatch__ to keep Dynamo out of it: not where skip_dynamo did.
+        return not _SKIPS_DYNAMO
+
+    __torch_dispatch__ = _sim_dispatch
 
 
 # Key in an autograd Node's metadata: the stream its forward op ran on (absent: the default stream).
@@ -153,25 +202,36 @@ class _StreamTagMode(TorchFunctionMode):
         super().__init__()
         self.sim = sim
 
-    @counted
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in _BACKWARD and active() is self.sim:
-            with _sigint_held_until_return(), self.sim._backward_call():
-                try:
-                    out = func(*args, **(kwargs or {}))
-                finally:
-                    self.sim._raise_pending()  # an error deferred inside the pass, Note [backward on the caller's thread]
+        # host_time.counted, written out (this runs for every torch function and Tensor method while active).
+        counters = _counters
+        if counters.depth == 0:
+            counters.start = _thread_time()
+            counters.calls += 1
+        counters.depth += 1
+        try:
+            sim = self.sim
+            if func in _BACKWARD and active() is sim:
+                with _sigint_held_until_return(), sim._backward_call():
+                    try:
+                        out = func(*args, **(kwargs or {}))
+                    finally:
+                        sim._raise_pending()  # an error deferred inside the pass, Note [backward on the caller's thread]
+                return out
+            if func in _TENSOR_HOOKS and active() is sim and len(args) == 2:
+                args = (args[0], _errors_kept(args[1], sim))
+            if kwargs and "device" in kwargs and routes_cuda(sim):
+                # A factory given device="cuda" (`torch.tensor(0, device="cuda")`, as frameworks write) makes its
+                # tensor on the simulated device, as `.to("cuda")` does (device.sim.entry_points).
+                kwargs = {**kwargs, "device": _routed(sim, kwargs["device"])}
+            out = func(*args, **(kwargs or {}))
+            if torch.is_grad_enabled() and _ACTIVE and _ACTIVE[-1] is sim:
+                node = _autograd_node()  # sim._current(), written out
+                stream = sim._node_stream(node) if node is not None else (sim._tls.current or sim._default)
+                if stream is not sim._default:
+                    _tag_outputs(out, stream)
             return out
-        if func in _TENSOR_HOOKS and active() is self.sim and len(args) == 2:
-            args = (args[0], _errors_kept(args[1], self.sim))
-        if kwargs and "device" in kwargs and routes_cuda(self.sim):
-            # A factory given device="cuda" (`torch.tensor(0, device="cuda")`, as frameworks write) makes its
-            # tensor on the simulated device, as `.to("cuda")` does (device.sim.entry_points).
-            kwargs = {**kwargs, "device": _routed(self.sim, kwargs["device"])}
-        out = func(*args, **(kwargs or {}))
-        sim = self.sim
-        if torch.is_grad_enabled() and active() is sim:
-            stream = sim._current()
-            if stream is not sim._default:
-                _tag_outputs(out, stream)
-        return out
+        finally:
+            counters.depth -= 1
+            if counters.depth == 0:
+                counters.total += _thread_time() - counters.start

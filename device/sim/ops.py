@@ -122,9 +122,16 @@ def strided_layout(t: torch.Tensor) -> tuple | None:
     return tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.element_size()
 
 
-@functools.cache
+# id(op) -> (the op, its argument names). Keyed by id: functools.cache would hash the op in Python (torch/_ops.py)
+# on every call; the op is kept so that its id stays its own.
+_ARG_NAMES: dict[int, tuple[Any, tuple[str, ...]]] = {}
+
+
 def _arg_names(func: Any) -> tuple[str, ...]:
-    return tuple(a.name for a in func._schema.arguments)
+    known = _ARG_NAMES.get(id(func))
+    if known is None:
+        known = _ARG_NAMES[id(func)] = (func, tuple(a.name for a in func._schema.arguments))
+    return known[1]
 
 
 def arg_value(func: Any, args: tuple, kwargs: dict, name: str, default: Any = None) -> Any:

@@ -14,10 +14,19 @@ from device.sim.accesses import Arg as _Arg
 from device.sim.accesses import StorageInfo as _Storage
 from device.sim.memory import pool_of
 from device.sim.ops import _span
-from device.sim.sanitizer import Access, Clocks, race_error, reused_use
+from device.sim.sanitizer import (
+    Access,
+    Clocks,
+    add_all,
+    check_all,
+    race_error,
+    reused_use,
+)
 from device.sim.streams import SimStream
 
 _WRITES = ("w", "o")  # the roles that write (Arg.writes)
+# Access(*fields) with all eleven given, made in C: an Access is made for every tensor an op touches.
+_new_tuple = tuple.__new__
 
 # Note [free and reuse]
 # A block freed on the host returns to the pool of the stream that allocated it, and the caching allocator
@@ -70,18 +79,16 @@ class RaceChecks:
                 if self._collectives:  # host memory C++ made: a collective's work may hold it
                     self._hold(t)  # Note [collective tensors at exit]
             info = a.info
-            acc = Access(
+            acc = _new_tuple(Access, (
                 offset * itemsize, (offset + span) * itemsize, a.role in _WRITES, actor, epoch, name, label, t.shape,
-                layout, stack,
-            )  # fmt: skip
+                layout, stack, None,
+            ))  # fmt: skip
             staged.append((info, acc))
-        for info, acc in staged:
-            if info.log.records:  # nothing to race with in an empty log
-                rec = info.log.conflict(acc, clocks)
-                if rec is not None:
-                    raise race_error(acc, rec, info.uid, info.nbytes, self._actor_names)
-        for info, acc in staged:
-            info.log.add(acc, clocks)
+        found = check_all(staged, clocks)  # every access before any is recorded
+        if found is not None:
+            info, acc, rec = found
+            raise race_error(acc, rec, info.uid, info.nbytes, self._actor_names)
+        add_all(staged, clocks)
 
     def _log_new(self, t: torch.Tensor, info: _Storage, stream: SimStream, epoch: int, name: str) -> None:
         numel = t.numel()
@@ -92,8 +99,8 @@ class RaceChecks:
             span = numel if t.is_contiguous() else _span(t)
             stack = traceback.format_stack()[:-3] if self.stacks else None
             labels = self._labels
-            acc = Access(offset * itemsize, (offset + span) * itemsize, True, stream.actor, epoch, name,
-                         labels[-1] if labels else None, t.shape, None, stack)
+            acc = _new_tuple(Access, (offset * itemsize, (offset + span) * itemsize, True, stream.actor, epoch, name,
+                              labels[-1] if labels else None, t.shape, None, stack, None))
             if info.log.records and not name.endswith("(allocation)"):
                 # The op writes a block the allocator may have reused (Note [free and reuse]).
                 rec = info.log.conflict(acc, self._clocks)

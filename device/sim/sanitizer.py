@@ -9,7 +9,7 @@ Accesses are tracked per storage at byte-range granularity.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -62,8 +62,9 @@ class StreamRaceError(RuntimeError):
         return text
 
 
-@dataclass(slots=True)
-class Access:
+class Access(NamedTuple):
+    # A tuple: the simulator makes one for every tensor an op touches, and a tuple is made without a Python frame
+    # (tuple.__new__(Access, fields): device/sim/race_checks.py), where a dataclass's __init__ is one.
     start: int  # byte range [start, end) within the storage
     end: int
     write: bool
@@ -75,10 +76,14 @@ class Access:
     # (sizes, strides, storage offset, itemsize) of a strided view whose elements do not fill
     # [start, end); None for dense accesses
     layout: tuple | None = None
-    stack: list[str] | None = field(default=None, repr=False)
+    stack: list[str] | None = None
     # (storage id, bytes) of a freed block this record stands for in a new allocation on the stream the
     # block went back to (Note [free and reuse] in device/sim/device.py); None for an access of its own
     freed: tuple[int, int] | None = None
+
+    def __repr__(self) -> str:  # without the stack, which can be long
+        fields = ", ".join(f"{name}={value!r}" for name, value in zip(self._fields, self) if name != "stack")
+        return f"Access({fields})"
 
     def covers(self, other: Access) -> bool:
         """Whether every byte `other` touches is one this access touches."""
@@ -216,12 +221,15 @@ class AccessLog:
 
     def conflict(self, acc: Access, clocks: Clocks) -> Access | None:
         """The first recorded access that races with `acc`, or None."""
+        start, end, write, actor = acc.start, acc.end, acc.write, acc.actor
+        mine, compacted = clocks._vc[actor], clocks._compacted
         for rec in self.records:
             if (
-                rec.start < acc.end
-                and acc.start < rec.end
-                and (acc.write or rec.write)
-                and not clocks.ordered(rec, acc.actor)
+                rec.start < end
+                and start < rec.end
+                and (write or rec.write)
+                # not clocks.ordered(rec, actor), written out: this runs for every access
+                and not (rec.actor == actor or mine.get(rec.actor, 0) >= rec.epoch or rec.actor in compacted)
                 and overlap(rec, acc)
             ):
                 return rec
@@ -234,24 +242,77 @@ class AccessLog:
         if not records:
             self.records = [acc]
             return
-        # acc.covers(rec) and clocks.ordered(rec, acc.actor), written out: this runs for every access.
-        dense, start, end, write, actor = acc.layout is None, acc.start, acc.end, acc.write, acc.actor
-        mine, compacted = clocks.clock(actor), clocks.compacted
-        kept = [
-            rec
-            for rec in records
-            if not (
-                dense
-                and start <= rec.start
-                and rec.end <= end
-                and (write or not rec.write)
-                and (rec.actor == actor or mine.get(rec.actor, 0) >= rec.epoch or rec.actor in compacted)
-            )
-        ]
+        # acc.covers(rec) and clocks.ordered(rec, acc.actor), written out (a loop, not a comprehension: one frame
+        # less), this runs for every access.
+        start, end, write, actor = acc.start, acc.end, acc.write, acc.actor
+        kept = []
+        if acc.layout is None:
+            mine, compacted = clocks._vc[actor], clocks._compacted
+            for rec in records:
+                if not (
+                    start <= rec.start
+                    and rec.end <= end
+                    and (write or not rec.write)
+                    and (rec.actor == actor or mine.get(rec.actor, 0) >= rec.epoch or rec.actor in compacted)
+                ):
+                    kept.append(rec)
+        else:
+            kept.extend(records)
         kept.append(acc)
         if len(kept) > self._PRUNE_AT:
             kept = [rec for rec in kept if not clocks.seen_by_all(rec)]
         self.records = kept
+
+
+def check_all(staged: list[tuple[Any, Access]], clocks: Clocks) -> tuple[Any, Access, Access] | None:
+    """AccessLog.conflict for each (holder of a log, access) of one op, written out (one frame per op, not per
+    access): the first (holder, access, earlier record) that races, or None."""
+    for holder, acc in staged:
+        records = holder.log.records
+        if not records:  # nothing to race with in an empty log
+            continue
+        start, end, write, actor = acc.start, acc.end, acc.write, acc.actor
+        mine, compacted = clocks._vc[actor], clocks._compacted
+        for rec in records:
+            if (
+                rec.start < end
+                and start < rec.end
+                and (write or rec.write)
+                and not (rec.actor == actor or mine.get(rec.actor, 0) >= rec.epoch or rec.actor in compacted)
+                and overlap(rec, acc)
+            ):
+                return holder, acc, rec
+    return None
+
+
+def add_all(staged: list[tuple[Any, Access]], clocks: Clocks) -> None:
+    """AccessLog.add for each (holder of a log, access) of one op, in order, written out (one frame per op)."""
+    compacted = clocks._compacted
+    prune_at = AccessLog._PRUNE_AT
+    for holder, acc in staged:
+        log = holder.log
+        records = log.records
+        if not records:
+            log.records = [acc]
+            continue
+        start, end, write, actor = acc.start, acc.end, acc.write, acc.actor
+        kept = []
+        if acc.layout is None:
+            mine = clocks._vc[actor]
+            for rec in records:
+                if not (
+                    start <= rec.start
+                    and rec.end <= end
+                    and (write or not rec.write)
+                    and (rec.actor == actor or mine.get(rec.actor, 0) >= rec.epoch or rec.actor in compacted)
+                ):
+                    kept.append(rec)
+        else:
+            kept.extend(records)
+        kept.append(acc)
+        if len(kept) > prune_at:
+            kept = [rec for rec in kept if not clocks.seen_by_all(rec)]
+        log.records = kept
 
 
 def where(acc: Access, names: list[str]) -> str:

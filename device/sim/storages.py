@@ -6,6 +6,7 @@ torch.cuda-like memory queries."""
 
 from __future__ import annotations
 
+import atexit
 import bisect
 import math
 import threading
@@ -17,12 +18,22 @@ import torch
 from device.sim.accesses import DEVICE, HOST_MEM, PAGEABLE
 from device.sim.accesses import Arg as _Arg
 from device.sim.accesses import StorageInfo as _Storage
-from device.sim.host_memory import REGISTER_THREADS, HostMemory, npu_pinned_bytes, power_of_two
+from device.sim.host_memory import (
+    REGISTER_THREADS,
+    HostMemory,
+    npu_pinned_bytes,
+    power_of_two,
+)
 from device.sim.host_time import counted_methods
 from device.sim.memory import Block, DeviceMemory, OutOfMemoryError, fmt_bytes
 from device.sim.ops import arg_value
 from device.sim.sanitizer import HOST, Access
 from device.sim.streams import SimStream
+
+_ref = weakref.ref
+# Set at exit, before the interpreter finalizes: storages that die after it free nothing (Storages._storage_died).
+_EXITING: list[bool] = []
+atexit.register(_EXITING.append, True)
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -42,6 +53,7 @@ class Storages:
 
     # Set by SimDevice.__init__.
     _storages: dict[int, _Storage]
+    _finalizers: dict[int, tuple[weakref.ref, int, int]]  # id of a storage's reference -> (it, key, uid)
     _mems: dict[int, DeviceMemory]
     host_mem: HostMemory
     _lock: threading.RLock
@@ -64,18 +76,6 @@ class Storages:
                 self._drain_frees()
         index = self._index(device)
         mem = self._mem_of(self.current_device() if index is None else index)
-        mem.process_deferred(self._timeline.host_us)
-        return mem
-
-    def _memory_at(self, index: int) -> DeviceMemory:
-        """_memory of a device index already checked (an op's placement, a tensor's own device): the same,
-        without parsing and checking the index against SWAPOPT_SIM_DEVICES again on every allocation."""
-        if self._held:
-            self._release_collectives()
-        if self._late_frees:
-            with self._lock:
-                self._drain_frees()
-        mem = self._mem_of(index)
         mem.process_deferred(self._timeline.host_us)
         return mem
 
@@ -292,7 +292,18 @@ class Storages:
         self._storages[key] = info
         if kind == DEVICE:
             info.index = self.current_device() if index is None else index
-            block = self._memory_at(info.index).allocate(info.nbytes)
+            # _memory(info.index), written out without its index checks: this runs for every new device tensor
+            if self._held:
+                self._release_collectives()
+            if self._late_frees:
+                with self._lock:
+                    self._drain_frees()
+            mem = self._mems.get(info.index)
+            if mem is None:
+                mem = self._mem_of(info.index)
+            if mem.deferred:
+                mem.process_deferred(self._timeline.host_us)
+            block = mem.allocate(info.nbytes)
             if block is None:
                 del self._storages[key]
                 raise self._oom(info.nbytes, info.index)
@@ -301,8 +312,10 @@ class Storages:
                 self._check_reuse(actor, info)
         if uid is not None:
             return info
-        finalizer = weakref.finalize(storage, self._on_free, key, info.uid)
-        finalizer.atexit = False
+        # weakref.finalize, for less: a reference whose callback frees the block when the storage dies, kept
+        # (with what it frees) until then. finalize's own bookkeeping cost microseconds per new tensor.
+        ref = _ref(storage, self._storage_died)
+        self._finalizers[id(ref)] = (ref, key, info.uid)
         if kind == HOST_MEM:
             self._live_host += self._host_cost(info)
             self._peak_host = max(self._peak_host, self._live_host)
@@ -314,13 +327,20 @@ class Storages:
         if info is not None and info.kind == DEVICE:
             self._mem_of(info.index).free(info.block)
 
-    def _on_free(self, key: int, uid: int) -> None:
-        # Finalizers run on whatever thread drops the last reference, gloo's worker threads included,
-        # possibly while another thread holds the lock and waits for that very worker: never block here.
+    def _storage_died(self, ref: weakref.ref, _exiting: list[bool] = _EXITING) -> None:
+        """A registered storage died (the callback of its reference, see _register). Not once the interpreter
+        exits (as weakref.finalize(..., atexit=False)): by then the memory model is read no more, and module
+        globals may already be gone (hence the flag as a default argument)."""
+        if _exiting:
+            return
+        _, key, uid = self._finalizers.pop(id(ref))
+        # Finalizers run on whatever thread drops the last reference, gloo's worker threads included, possibly while
+        # another thread holds the lock and waits for that very worker: never block here.
         if self._lock.acquire(blocking=False):
             try:
                 self._free(key, uid)
-                self._drain_frees()
+                if self._late_frees:
+                    self._drain_frees()
             finally:
                 self._lock.release()
         else:

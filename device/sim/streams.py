@@ -20,6 +20,19 @@ if TYPE_CHECKING:
     from device.sim.device import SimDevice
 
 
+class ThreadState(threading.local):
+    """What the simulator keeps per thread. The class attributes are every thread's defaults: an attribute a
+    thread never set is then found, where reading it from a bare threading.local would raise and catch an
+    AttributeError (a microsecond or more, on every op)."""
+
+    current: SimStream | None = None  # set_stream / stream()
+    set_in: Any = None  # the autograd node that was running when it was set (Note [streams inside a backward pass])
+    host: int = HOST  # the thread's host actor
+    device: int = 0  # set_device
+    backward: dict | None = None  # the backward pass in progress (_node_stream)
+    callers: list | None = None  # the callers' streams of nested backward() calls (_backward_call)
+
+
 @counted_methods("__init__", "wait_event", "wait_stream", "record_event", "synchronize", "query", "__enter__", "__exit__")
 class SimStream:
     """A stream of the simulated device. Created through `SimDevice.Stream(...)`."""
@@ -153,7 +166,7 @@ class StreamOrdering:
     _host_actors, _actor_names, _fresh_streams, Stream."""
 
     # Set by SimDevice.__init__ (see the class docstring).
-    _tls: threading.local
+    _tls: ThreadState
     _default: SimStream
     _comm: SimStream | None
 
@@ -169,11 +182,11 @@ class StreamOrdering:
         node = torch._C._current_autograd_node()
         if node is not None:
             return self._node_stream(node)
-        return getattr(self._tls, "current", None) or self._default
+        return self._tls.current or self._default
 
     def _thread_stream(self) -> SimStream:
         """The stream the thread set (set_stream, stream()), whatever node a backward pass runs."""
-        return getattr(self._tls, "current", None) or self._default
+        return self._tls.current or self._default
 
     def _present(self, stream: SimStream) -> SimStream:
         return fresh_object(stream) if self._fresh_streams else stream
@@ -191,7 +204,7 @@ class StreamOrdering:
             yield None
             return
         tls = self._tls
-        previous = getattr(tls, "current", None), getattr(tls, "set_in", None)
+        previous = tls.current, tls.set_in
         tls.current = canonical(stream)
         tls.set_in = torch._C._current_autograd_node()
         try:
@@ -204,7 +217,7 @@ class StreamOrdering:
         """Around backward() / autograd.grad: streams a hook set without restoring them end with the pass, as
         on hardware, where the pass runs under the engine's stream guards and leaves the caller's stream be."""
         tls = self._tls
-        saved = getattr(tls, "current", None), getattr(tls, "set_in", None)
+        saved = tls.current, tls.set_in
         # The caller's stream, which a hook's stream context inside the pass does not change.
         callers = tls.__dict__.setdefault("callers", [])
         callers.append(self._current())  # inside a node (a reentrant checkpoint's backward), the node's
@@ -262,7 +275,7 @@ class StreamOrdering:
 
     def _host(self) -> int:
         """The host actor of the calling thread: the main one, or a thread started while active."""
-        return getattr(self._tls, "host", HOST)
+        return self._tls.host
 
     def _fork(self) -> int:
         """A new host actor for a thread being started: it follows everything its parent did so far."""
@@ -306,11 +319,11 @@ class StreamOrdering:
         first time the pass is seen in a node, the node's own stream is ordered as the engine orders it."""
         own = node.metadata.get(_STREAM_TAG) or self._default
         tls = self._tls
-        backward = getattr(tls, "backward", None)
+        backward = tls.backward
         if backward is None:
             # The first backward node follows the caller's current stream (where the incoming gradient was
             # made); when the pass ends, the caller's stream waits for every stream it used.
-            callers = getattr(tls, "callers", None)
+            callers = tls.callers
             caller = callers[-1] if callers else self._thread_stream()
             backward = tls.backward = {"caller": caller, "streams": {caller}, "last": caller, "node": None}
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
@@ -323,14 +336,14 @@ class StreamOrdering:
                 own.wait_stream(backward["last"])
                 backward["last"] = own
             backward["streams"].add(own)
-        if getattr(tls, "set_in", None) is node and tls.current is not own:
+        if tls.set_in is node and tls.current is not own:
             # A hook's own stream: ordered only by what the hook does (a wait it forgets is a race, as on
             # hardware), and not among the streams the engine syncs the caller with at the end.
             return tls.current
         return own
 
     def _end_backward(self) -> None:
-        backward = getattr(self._tls, "backward", None)
+        backward = self._tls.backward
         self._tls.backward = None
         if backward is not None:
             for stream in backward["streams"]:

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from device.sim.ops import _arg_names
 
 _PLACEHOLDER_BYTES = 2**56
 
@@ -129,7 +130,14 @@ def _unwrap(value: Any, found: list, hosts: list) -> Any:
         return value
     # Nested lists too: c10d's scatter/gather/all_gather take Tensor[][] (one list per rank).
     if isinstance(value, (list, tuple)) and value and isinstance(value[0], (torch.Tensor, type(None), list, tuple)):
-        return type(value)(_unwrap(v, found, hosts) for v in value)
+        out = []
+        for v in value:  # a list of SimTensors (foreach and fused kernels, thousands long) without a frame per item
+            if type(v) is SimTensor:
+                found.append(v)
+                out.append(v._elem)
+            else:
+                out.append(_unwrap(v, found, hosts))
+        return out if type(value) is list else type(value)(out)
     return value
 
 
@@ -160,20 +168,25 @@ def check_fused_optimizer(func: Any, args: tuple, kwargs: dict) -> None:
     names the first argument that differs."""
     tensor_lr = func._overloadname == "tensor_lr"
     common: torch.device | None = None
-    for position, arg in enumerate(func._schema.arguments):
-        value = args[position] if position < len(args) else kwargs.get(arg.name)
-        if tensor_lr and arg.name == "lr" and isinstance(value, torch.Tensor) and value.device.type == "cpu":
+    common_index = None  # common's index when it is a SimTensor's device (a simulator has one device type)
+    nargs = len(args)
+    for position, name in enumerate(_arg_names(func)):
+        value = args[position] if position < nargs else kwargs.get(name)
+        if tensor_lr and name == "lr" and isinstance(value, torch.Tensor) and value.device.type == "cpu":
             if value.numel() != 1:  # lr.item() in the kernel
                 raise RuntimeError(f"a Tensor with {value.numel()} elements cannot be converted to Scalar")
             continue
         for t in value if isinstance(value, (list, tuple)) else (value,):
+            if type(t) is SimTensor and common_index is not None and t.get_device() == common_index:
+                continue  # on common's device, told without making a torch.device per tensor
             if not isinstance(t, torch.Tensor):
                 continue
             if common is None:
                 common = t.device
+                common_index = common.index if type(t) is SimTensor else None
             elif t.device != common:
                 raise RuntimeError(
-                    f"Expected all tensors to be on the same device, but got {arg.name} is on {t.device}, different "
+                    f"Expected all tensors to be on the same device, but got {name} is on {t.device}, different "
                     f"from other tensors on {common} (when checking argument in method {func})"
                 )
 

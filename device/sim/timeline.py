@@ -75,6 +75,8 @@ class TimelineOp(NamedTuple):
     flops: float = 0.0  # arithmetic the op was priced for (0: priced by bytes alone)
 
 
+_new_tuple = tuple.__new__
+
 # The other direction of each copy lane: they share the link's aggregate cap.
 _OPPOSITE = {"h2d": "d2h", "d2h": "h2d"}
 HOST_CLOCKS = ("ops", "measured")  # Note [host clock]
@@ -267,8 +269,12 @@ class Timeline:
         """Launch a stream op that may start no earlier than `ready_us` (its stream's tail); return it.
         `flops` prices a compute op by arithmetic as well as by bytes (device.costs.op_flops); `tensors` is how
         many tensors it takes, for the host's cost of issuing it (Note [host clock])."""
-        self.charge_python(tensors)
-        self.host_us += self.issue_us(tensors)
+        if self.host_clock == "measured":
+            self.charge_python(tensors)
+        preset = self.preset
+        # issue_us(tensors), written out (this runs for every device op)
+        per_tensor = preset.host_tensor_us if self.host_clock == "ops" else preset.launcher_tensor_us
+        self.host_us += preset.launch_us + per_tensor * max(tensors - 2, 0)
         if lane in _OPPOSITE:
             start = max(self.host_us, ready_us, self._lane_free[lane])
             if self.preset.link_sharing == "sized" and self.host_us >= max(self._lane_free[d] for d in _OPPOSITE):
@@ -285,7 +291,7 @@ class Timeline:
             cost = self.kernel_cost_us(nbytes, flops)
             start, end = self._fit(max(self.host_us, ready_us), cost)
         work = flops.count if flops is not None and lane == "compute" else 0.0
-        op = TimelineOp(stream, lane, name, label, start, end, nbytes, work)
+        op = _new_tuple(TimelineOp, (stream, lane, name, label, start, end, nbytes, work))  # without a Python frame
         self._lane_free[lane] = max(self._lane_free[lane], op.end_us)
         self._ops.append(op)
         return op
@@ -358,10 +364,11 @@ class Timeline:
             self.host_us += max(python_us, 0.0) * self.python_scale
 
     def host_op(self, nbytes: int, name: str, label: str | None) -> None:
-        self.charge_python()
+        if self.host_clock == "measured":
+            self.charge_python()
         start = self.host_us
         self.host_us += nbytes / (self.preset.host_gbps * 1e3)
-        self._ops.append(TimelineOp("host", "host", name, label, start, self.host_us, nbytes))
+        self._ops.append(_new_tuple(TimelineOp, ("host", "host", name, label, start, self.host_us, nbytes, 0.0)))
 
     def device_tail_us(self) -> float:
         """When everything launched so far has finished."""

@@ -3,6 +3,7 @@
 Examples::
 
     swapopt-bench                       # quick run: one size, every strategy (simulator when no GPU/NPU)
+    swapopt-bench --strategies resident,resident-8bit,swapopt-8bit --sizes 0.01   # the 8-bit rows at a size
     swapopt-bench --full                # the whole sweep: more sizes, chunk/slot sweeps, end to end
     swapopt-bench --sim 910b --sizes 0.1 --e2e none --out /tmp/bench
     swapopt-bench --sim bench/results/cuda-NVIDIA-H100-80GB-HBM3-2026-11-25-verify-preset.json  # calibrated
@@ -31,13 +32,20 @@ from swapopt.bench.sizes import auto_sizes
 from swapopt.bench.layout_run import DEFAULT_TIMES as LAYOUT_TIMES
 from swapopt.bench.layout_run import SIM_MAX_NUMEL, default_max_numel, derive, layouts_summary, run_layout
 from swapopt.bench.layouts import LAYOUTS, get_layout
-from swapopt.bench.strategies import DEFAULT_STRATEGIES, LOWBIT_STRATEGIES, STRATEGY_DOCS
+from swapopt.bench.strategies import (
+    ALL_STRATEGIES,
+    DEFAULT_STRATEGIES,
+    LOWBIT_STRATEGIES,
+    SIM_LOWBIT_SIZE,
+    STRATEGY_DOCS,
+    lowbit_class,
+)
 
 DEFAULT_OUT = Path("bench/results")
 FALLBACK_PRESET = "h100"
 # Measured on the simulator (h100 preset) with 2 CPU cores: see README's Results section. The quick run was under 2
 # minutes before each row ran one more step to prove its work and torchao's row joined it on the simulator (about
-# 1.7x the steps).
+# 1.7x the steps); the 8-bit rows at their own small size (SIM_LOWBIT_SIZE) add some 20 s.
 QUICK_COST = "a few minutes and 3 GB of host RAM on the simulator (2 CPU cores)"
 FULL_COST = "about 10 minutes and 13 GB of host RAM on the simulator (2 CPU cores)"
 QUICK = dict(sim_sizes=[0.1], times=[16, 64], slots=[3], reference_times=[16])
@@ -88,9 +96,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--times", type=_ints, help="swapopt swap_optimizer_times sweep")
     ap.add_argument("--slots", type=_ints, help="swapopt slots sweep")
     ap.add_argument("--reference-times", type=_ints, help="one-in-flight chunkings")
-    ap.add_argument("--strategies", default=",".join(DEFAULT_STRATEGIES),
-                    help=f"comma-separated subset of: {', '.join(STRATEGY_DOCS)} (default: all but "
-                    f"{', '.join(LOWBIT_STRATEGIES)}, whose eager quantization takes minutes on the simulator)")
+    ap.add_argument("--strategies", default=None,
+                    help=f"comma-separated subset of: {', '.join(STRATEGY_DOCS)} (default: all of them; on the "
+                    f"simulator {', '.join(LOWBIT_STRATEGIES)} run only at {SIM_LOWBIT_SIZE:g}B, a size of their own "
+                    "beside a resident row, when --sizes is not given, as their eager quantization takes minutes "
+                    "there at 0.1B; named here, every strategy runs at the sizes asked)")
     ap.add_argument("--warmup", type=int, default=None, help="warm-up steps (default 2; 1 simulated)")
     ap.add_argument("--repeats", type=int, default=None,
                     help="timed steps, median reported (default 5; 1 simulated: modeled time is deterministic)")
@@ -130,6 +140,19 @@ def _progress(disabled: bool) -> Progress:
     )
 
 
+def run_strategies(args: argparse.Namespace, simulated: bool) -> tuple[list[str], list[float]]:
+    """The strategies to run at the run's sizes, and the sizes at which the 8-bit rows run apart, beside a resident
+    row for their bound. Unless --strategies names some: on a device every strategy; on the simulator the 8-bit
+    rows only at SIM_LOWBIT_SIZE (Note [low-bit rows] in swapopt/bench/strategies.py), and not at all when --sizes
+    asks for sizes."""
+    if args.strategies is not None:
+        return [s for s in args.strategies.split(",") if s], []
+    if not simulated:
+        return list(ALL_STRATEGIES), []
+    apart = args.sizes is None and lowbit_class() is not None
+    return list(DEFAULT_STRATEGIES), [SIM_LOWBIT_SIZE] if apart else []
+
+
 def _run(args: argparse.Namespace) -> tuple[Report, list[Path]]:
     simulated = device.is_simulated()
     sweep = FULL if args.full else QUICK
@@ -140,10 +163,11 @@ def _run(args: argparse.Namespace) -> tuple[Report, list[Path]]:
     else:
         fitting = auto_sizes()
         sizes = fitting if args.full else [max([b for b in fitting if b <= 1.0] or fitting[:1])]
+    strategies, lowbit_sizes = run_strategies(args, simulated)
     cfg = BenchConfig(
         sizes=sizes, impl=args.impl, times=args.times or sweep["times"], slots=args.slots or sweep["slots"],
         reference_times=args.reference_times or sweep["reference_times"],
-        strategies=[s for s in args.strategies.split(",") if s],
+        strategies=strategies,
         warmup=args.warmup if args.warmup is not None else (1 if simulated else 2),
         repeats=args.repeats if args.repeats is not None else (1 if simulated else 5),
         master_weights=args.master_weights,
@@ -173,9 +197,14 @@ def _run(args: argparse.Namespace) -> tuple[Report, list[Path]]:
                      f"(swap_optimizer_times={strategy.times}), {label}" + (" (modeled)" if simulated else ""))
             timeline_png.append(timeline_chart(spans, path, title))
 
+    lowbit_cfg = cfg.model_copy(update={"strategies": ["resident", *LOWBIT_STRATEGIES]})
     results = []
     with _progress(args.no_progress) as progress:
-        task = progress.add_task("strategies", total=plan_length(cfg) * len(sizes))
+        total = plan_length(cfg) * len(sizes) + plan_length(lowbit_cfg) * len(lowbit_sizes)
+        task = progress.add_task("strategies", total=total)
+        for size in lowbit_sizes:  # first: the tables give peaks at the last (largest) size
+            progress.update(task, description=f"{size:g}B (8-bit rows)")
+            results.append(run_size(size, lowbit_cfg, on_done=lambda _: progress.advance(task)))
         for size in sizes:
             progress.update(task, description=f"{size:g}B")
             results.append(run_size(size, cfg, on_done=lambda _: progress.advance(task), timeline_hook=capture))

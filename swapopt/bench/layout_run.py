@@ -248,6 +248,9 @@ RATIO_TARGETS = {16: 1.10, 64: 1.03}
 TINY_RATIO_TARGET = 2.0
 FLOOR_TARGET = 1.05  # step / link floor, for every layout but the launch-bound tiny one
 HOST_US_PER_PARAM_TARGET = 5.0
+# Pinned host bytes may exceed the state bytes by the arenas' alignment padding (well under 1% on every layout),
+# not by an allocator's rounding (up to 2x where pinned memory rounds to powers of two).
+PINNED_SLACK = 0.01
 # The host budget of a swapped step, whatever its layout: Python and launches per chunk, and per tensor.
 HOST_CHUNK_US, HOST_TENSOR_US = 60.0, 2.0
 
@@ -277,8 +280,9 @@ def layout_targets(res: LayoutResult) -> list[str]:
             checks.append(("peak", f"{_mib(r.peak_extra_bytes)} <= {_mib(r.cap_bytes)} MiB",
                            r.peak_extra_bytes <= r.cap_bytes))
         if r.pinned_bytes is not None:
-            checks.append(("pinned", f"{_mib(r.pinned_bytes)} == {_mib(res.state_bytes)} MiB",
-                           r.pinned_bytes == res.state_bytes))
+            slack = PINNED_SLACK * res.state_bytes
+            checks.append(("pinned", f"{_mib(r.pinned_bytes)} <= {_mib(res.state_bytes + slack)} MiB (states + "
+                           f"{PINNED_SLACK:.0%})", r.pinned_bytes <= res.state_bytes + slack))
         body = "; ".join(f"{name} {text} {'met' if ok else 'MISSED'}" for name, text, ok in checks)
         lines.append(f"- {r.label}: {body}")
     return lines

@@ -155,6 +155,7 @@ def compare(checkouts: dict[str, Path], rounds: int) -> dict[str, Any]:
     order reversed every other round, so that neither side always runs first)."""
     names = list(checkouts)
     per_round: dict[str, list[dict[str, float]]] = {n: [] for n in names}
+    load = [_loadavg()]
     for r in range(rounds):
         for name in names if r % 2 == 0 else names[::-1]:
             env = {**os.environ, "PYTHONPATH": str(checkouts[name])}
@@ -162,6 +163,7 @@ def compare(checkouts: dict[str, Path], rounds: int) -> dict[str, Any]:
             done = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--cpu-per-op"], env=env,
                                   capture_output=True, text=True, check=True)
             per_round[name].append(json.loads(done.stdout.strip().splitlines()[-1]))
+        load.append(_loadavg())
     rows = []
     for loop in CPU_ITERS:
         row: dict[str, Any] = {"loop": loop}
@@ -170,7 +172,15 @@ def compare(checkouts: dict[str, Path], rounds: int) -> dict[str, Any]:
             row[name] = {"median": statistics.median(values), "least": min(values), "rounds": values}
         rows.append(row)
     return {"checkouts": {n: str(p) for n, p in checkouts.items()}, "rounds": rounds, "iters": CPU_ITERS,
-            "repeats": CPU_REPEATS, "rows": rows}
+            "repeats": CPU_REPEATS, "rows": rows, "load": load}
+
+
+def _loadavg() -> float | None:
+    """The machine's 1-minute load average (the others' work on a shared machine moves every figure)."""
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
 
 
 def compare_table(cmp: dict[str, Any]) -> str:
@@ -247,7 +257,8 @@ def main(argv: list[str] | None = None) -> tuple[Path, Path]:
                f"checkout's `device` ({', '.join(f'{n}: {p}' for n, p in cmp['checkouts'].items())}), each loop in "
                f"host CPU time (`time.thread_time`, one torch thread), per round the least of {cmp['repeats']} repeats "
                f"after a warm-up, {cmp['rounds']} rounds with the checkouts in turn; median over rounds (least in "
-               "brackets).\n")
+               "brackets). 1-minute load average before the first round and after each: "
+               f"{', '.join('-' if v is None else f'{v:.1f}' for v in cmp['load'])}.\n")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     json_path, md_path = Path(f"{args.out}.json"), Path(f"{args.out}.md")
     json_path.write_text(json.dumps(report, indent=1))

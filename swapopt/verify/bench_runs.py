@@ -22,6 +22,7 @@ from swapopt.bench.layout_run import LayoutResult, default_max_numel, run_layout
 from swapopt.bench.layouts import Layout, get_layout
 from swapopt.bench.run import BenchConfig, SizeResult, plan_length, run_size
 from swapopt.bench.sizes import auto_sizes
+from swapopt.bench.strategies import LOWBIT_STRATEGIES, SIM_LOWBIT_SIZE
 from swapopt.verify.plan import VerifyPlan
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -59,6 +60,9 @@ def bench_config(plan: VerifyPlan, sizes: list[float]) -> BenchConfig:
                       repeats=1 if simulated else 5)
     if plan.strategies is not None:
         cfg.strategies = list(plan.strategies)
+    if simulated and any(s > SIM_LOWBIT_SIZE for s in sizes):
+        # torchao's eager 8-bit rows cost minutes there at these sizes (Note [low-bit rows] in swapopt.bench.strategies)
+        cfg.strategies = [s for s in cfg.strategies if s not in LOWBIT_STRATEGIES]
     return cfg
 
 
