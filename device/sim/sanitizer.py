@@ -219,54 +219,24 @@ class AccessLog:
     def __init__(self) -> None:
         self.records: list[Access] = []
 
+    @property
+    def log(self) -> AccessLog:
+        return self  # a log is its own holder for check_all / add_all
+
     def conflict(self, acc: Access, clocks: Clocks) -> Access | None:
         """The first recorded access that races with `acc`, or None."""
-        start, end, write, actor = acc.start, acc.end, acc.write, acc.actor
-        mine, compacted = clocks._vc[actor], clocks._compacted
-        for rec in self.records:
-            if (
-                rec.start < end
-                and start < rec.end
-                and (write or rec.write)
-                # not clocks.ordered(rec, actor), written out: this runs for every access
-                and not (rec.actor == actor or mine.get(rec.actor, 0) >= rec.epoch or rec.actor in compacted)
-                and overlap(rec, acc)
-            ):
-                return rec
-        return None
+        found = check_all([(self, acc)], clocks)
+        return None if found is None else found[2]
 
     def add(self, acc: Access, clocks: Clocks) -> None:
         """Record `acc` (already checked). An access that covers a record and follows it supersedes it when
         it is a write, or when both are reads: whatever would race with the old record races with it."""
-        records = self.records
-        if not records:
-            self.records = [acc]
-            return
-        # acc.covers(rec) and clocks.ordered(rec, acc.actor), written out (a loop, not a comprehension: one frame
-        # less), this runs for every access.
-        start, end, write, actor = acc.start, acc.end, acc.write, acc.actor
-        kept = []
-        if acc.layout is None:
-            mine, compacted = clocks._vc[actor], clocks._compacted
-            for rec in records:
-                if not (
-                    start <= rec.start
-                    and rec.end <= end
-                    and (write or not rec.write)
-                    and (rec.actor == actor or mine.get(rec.actor, 0) >= rec.epoch or rec.actor in compacted)
-                ):
-                    kept.append(rec)
-        else:
-            kept.extend(records)
-        kept.append(acc)
-        if len(kept) > self._PRUNE_AT:
-            kept = [rec for rec in kept if not clocks.seen_by_all(rec)]
-        self.records = kept
+        add_all([(self, acc)], clocks)
 
 
 def check_all(staged: list[tuple[Any, Access]], clocks: Clocks) -> tuple[Any, Access, Access] | None:
-    """AccessLog.conflict for each (holder of a log, access) of one op, written out (one frame per op, not per
-    access): the first (holder, access, earlier record) that races, or None."""
+    """The first (holder, access, earlier record) among one op's (holder of an AccessLog, access) pairs whose
+    access races with a record of the holder's log, or None: written out, one frame per op, not per access."""
     for holder, acc in staged:
         records = holder.log.records
         if not records:  # nothing to race with in an empty log
@@ -286,7 +256,9 @@ def check_all(staged: list[tuple[Any, Access]], clocks: Clocks) -> tuple[Any, Ac
 
 
 def add_all(staged: list[tuple[Any, Access]], clocks: Clocks) -> None:
-    """AccessLog.add for each (holder of a log, access) of one op, in order, written out (one frame per op)."""
+    """Record each (holder of an AccessLog, access) of one op, in order (already checked), written out (one frame
+    per op). An access that covers a record and follows it supersedes it when it is a write, or when both are
+    reads: whatever would race with the old record races with it."""
     compacted = clocks._compacted
     prune_at = AccessLog._PRUNE_AT
     for holder, acc in staged:
