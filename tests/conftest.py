@@ -4,6 +4,7 @@ and the library's logging quieted after a CLI run."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from collections.abc import Iterator
 
@@ -106,6 +107,22 @@ def _process_simulator_races() -> Iterator[None]:
     yield
     if simulator._PROCESS:
         simulator._PROCESS[0]._raise_pending()
+
+
+# Note [heaviest files first]
+# CI runs the suite on 2 workers that take a file at a time (--dist loadfile) in collection order. In a random
+# order a 90-second file can come last while the other worker idles, and the run ends up a minute longer than
+# its work over two. So the files go longest first: their seconds in tests/data/file-seconds.json, from a
+# `--durations=0` run (tests/file_seconds.py writes it). Tests keep pytest-randomly's order within a file, and
+# files missing from the table keep it among themselves, after the others.
+_FILE_SECONDS = os.path.join(os.path.dirname(__file__), "data", "file-seconds.json")
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    with open(_FILE_SECONDS) as f:
+        seconds = json.load(f)
+    items.sort(key=lambda item: -seconds.get(item.nodeid.split("::", 1)[0], 0.0))  # stable: see the Note
 
 
 def pytest_report_header(config: pytest.Config) -> str:

@@ -264,8 +264,12 @@ def estimate(cfg: EngineConfig, n_params: int, local_world: int = 1, plan: Devic
     host = 16 * n_params + local_world * (acts + BASE_HOST_BYTES) + pinned_rounding_bytes(cfg, n_params)
     factor = 8 if t.gradient_checkpointing else 6
     flops = local_world * (factor * n_params * tokens + 12 * m.n_layers * t.batch * t.seq_len**2 * m.dim)
-    step_ops = count_step_ops(cfg) if plan is not None else 0
-    return Estimate(n_params=n_params, host_bytes=host, available_bytes=available_host_bytes(),
+    available = available_host_bytes()
+    # A job check_fits refuses gets no time estimate: counting its step's ops steps the whole model on the meta
+    # device, seconds for a model too large for the host, before an error that does not use them.
+    refused = t.host_ram_check and available is not None and host > available
+    step_ops = count_step_ops(cfg) if plan is not None and not refused else 0
+    return Estimate(n_params=n_params, host_bytes=host, available_bytes=available,
                     step_flops=float(flops), cpu_flops=measure_cpu_flops(),
                     step_ops=local_world * step_ops, op_s=measure_op_seconds(plan) if step_ops else 0.0)
 
