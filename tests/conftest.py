@@ -110,9 +110,10 @@ def _process_simulator_races() -> Iterator[None]:
 
 
 # Note [heaviest files first]
-# CI runs the suite on 2 workers that take a file at a time (--dist loadfile) in collection order. In a random
-# order a 90-second file can come last while the other worker idles, and the run ends up a minute longer than
-# its work over two. So the files go longest first: their seconds in tests/data/file-seconds.json, from a
+# CI runs the suite on 2 workers that take a file at a time (--dist loadfile) in collection order
+# (--no-loadscope-reorder: by default xdist orders files by their number of tests, which puts the one-test files
+# that launch whole jobs, the longest of all, last). When a 90-second file comes last the other worker idles, and
+# the run ends up a minute longer than its work over two. So the files go longest first: their seconds in tests/data/file-seconds.json, from a
 # `--durations=0` run (tests/file_seconds.py writes it). Tests keep pytest-randomly's order within a file, and
 # files missing from the table keep it among themselves, after the others.
 _FILE_SECONDS = os.path.join(os.path.dirname(__file__), "data", "file-seconds.json")
