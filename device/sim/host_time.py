@@ -165,18 +165,7 @@ def entry_costs() -> tuple[float, float]:
     skips = skip_dynamo(dispatch.__code__)
 
     class _Function(TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-            counters = _local
-            if counters.depth == 0:
-                counters.start = time.thread_time()
-                counters.calls += 1
-            counters.depth += 1
-            try:
-                return func(*args, **(kwargs or {}))
-            finally:
-                counters.depth -= 1
-                if counters.depth == 0:
-                    counters.total += time.thread_time() - counters.start
+        __torch_function__ = dispatch  # the same frame: a function mode is counted as the dispatch mode is
 
     class _Dispatch(TorchDispatchMode):
         @classmethod

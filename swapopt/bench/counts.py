@@ -168,13 +168,7 @@ class LaunchCounter(TorchDispatchMode):
 
 
 def _tensor_count(values: Any) -> int:
-    n = 0
-    for v in values:
-        if isinstance(v, torch.Tensor):
-            n += 1
-        elif isinstance(v, (list, tuple)):
-            n += sum(1 for t in v if isinstance(t, torch.Tensor))
-    return n
+    return sum(len(tensors(v)) for v in values)
 
 
 # Note [counting a tensor list costs per tensor]
