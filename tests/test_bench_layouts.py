@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import device
+from swapopt import flat
 from swapopt.bench.counts import LaunchCounter, count_call, pinned_host_bytes
 from swapopt.bench.layout_run import LayoutResult, derive, layout_targets, layouts_markdown, run_layout
 from swapopt.bench.layouts import (
@@ -189,6 +190,23 @@ def test_layout_run_rows_have_every_field(sim):
     targets = layout_targets(res)
     assert len(targets) == 2 and all("launches" in t and "pinned" in t and "peak" in t for t in targets)
     assert all(t in md for t in targets)
+
+
+def test_layout_run_flat_rows_take_the_flat_update(sim):
+    # Whole multiples of swapopt.flat.CPU_BLOCK elements, small chunks: the flat update is taken on the simulator.
+    shapes = [(64, 4), (128,), (32, 8), (64,)] * 3
+    lay = Layout(name="flat", source="test", tensors=tuple((f"w{i}", s) for i, s in enumerate(shapes)))
+    res = run_layout(lay, times=(2,), bandwidth_repeats=1, flat=True)
+    assert [(r.kind, r.flat) for r in res.rows] == [("resident", False), ("swapopt", False), ("swapopt", True)]
+    direct, flat_row = res.rows[1:]
+    assert (direct.label, flat_row.label) == ("swapopt t=2 s=3", "swapopt-flat t=2 s=3")
+    assert flat_row.note == "" and flat_row.chunks == direct.chunks
+    # The flat update's kernels are the chunk's gathers, one fused step over its flat tensors and the write-back,
+    # where the direct step hands the fused kernel every param: other launches, the same copies each way.
+    assert flat_row.launches != direct.launches
+    assert (flat_row.h2d_copies, flat_row.d2h_copies) == (direct.h2d_copies, direct.d2h_copies)
+    assert flat.ENABLED is False  # put back after the row
+    assert "| swapopt-flat t=2 s=3 |" in layouts_markdown([res])
 
 
 def test_make_layout_params_builds_the_layout(sim):

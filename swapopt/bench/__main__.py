@@ -114,6 +114,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "against swapopt, with kernel launches, copies each way and host CPU time per step (default: none)")
     ap.add_argument("--layout-times", type=_ints, default=list(LAYOUT_TIMES),
                     help=f"swap_optimizer_times of the layout runs (default {','.join(map(str, LAYOUT_TIMES))})")
+    ap.add_argument("--layout-flat", action="store_true",
+                    help="each layout chunk count also with the flat chunk update on (swapopt.flat.ENABLED), in "
+                    "rows labelled swapopt-flat")
     ap.add_argument("--layout-max-params", type=int, default=None,
                     help=f"layouts with more params are scaled down (every dim divided alike; tensor counts kept); "
                     f"default {SIM_MAX_NUMEL:,} on the simulator, what fits on a device")
@@ -211,12 +214,13 @@ def _run(args: argparse.Namespace) -> tuple[Report, list[Path]]:
         layouts = []
         if args.layouts:
             max_numel = args.layout_max_params or default_max_numel()
-            layout_task = progress.add_task("layouts", total=len(args.layouts) * (1 + len(args.layout_times)))
+            per_layout = 1 + len(args.layout_times) * (2 if args.layout_flat else 1)
+            layout_task = progress.add_task("layouts", total=len(args.layouts) * per_layout)
             for name in args.layouts:
                 progress.update(layout_task, description=name)
                 layouts.append(run_layout(
                     name, times=args.layout_times, max_numel=max_numel, impl=cfg.impl, warmup=cfg.warmup,
-                    repeats=cfg.repeats, on_done=lambda _: progress.advance(layout_task),
+                    repeats=cfg.repeats, on_done=lambda _: progress.advance(layout_task), flat=args.layout_flat,
                 ))
         e2e = []
         e2e_picture = None

@@ -20,6 +20,7 @@ from pydantic import BaseModel
 
 import device
 from device.sim.presets import SimPreset
+from swapopt import flat as flat_update
 from swapopt.bench.counts import count_call, host_cpu_seconds, pinned_host_bytes
 from swapopt.bench.layouts import Layout, get_layout, make_layout_params, scale_to_fit
 from swapopt.bench.measure import Bandwidth, bound_ms, free_device_memory, measure_bandwidth, time_steps
@@ -40,6 +41,7 @@ LAUNCHES_PER_CHUNK, LAUNCHES_PER_STEP = 3, 8
 class LayoutRow(BaseModel):
     kind: str  # "resident" | "swapopt"
     label: str
+    flat: bool = False  # swapopt rows: the flat chunk update on (swapopt.flat.ENABLED), labelled "swapopt-flat"
     times: int | None = None
     slots: int | None = None
     chunks: int | None = None
@@ -115,11 +117,22 @@ def _state_tensors(strategy) -> list[torch.Tensor]:
     return [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
 
 
+@contextlib.contextmanager
+def _flat_update(on: bool):
+    """The flat chunk update on or off while a row is built and measured (it is read when chunks are planned)."""
+    before = flat_update.ENABLED
+    flat_update.ENABLED = on
+    try:
+        yield
+    finally:
+        flat_update.ENABLED = before
+
+
 def _measure(
     kind: str, params: list[torch.nn.Parameter], spec: AdamWSpec, times: int, slots: int,
-    state_bytes: int, warmup: int, repeats: int,
+    state_bytes: int, warmup: int, repeats: int, flat: bool = False,
 ) -> LayoutRow:
-    row = LayoutRow(kind=kind, label=kind)
+    row = LayoutRow(kind=kind, label=kind, flat=flat)
     pinned_before = _pinned_now()
 
     def measure(strategy: Any) -> None:
@@ -151,13 +164,22 @@ def _measure(
         else:
             row.pinned_bytes = pinned_host_bytes(_state_tensors(strategy))
         if kind == "swapopt":
+            if flat:
+                row.label = row.label.replace("swapopt", "swapopt-flat", 1)
             row.times, row.slots = times, slots
             row.chunks = strategy.opt.swap_stats().chunks
             # the plan's largest chunk, not state bytes / chunks: the ramp's smaller chunks add to the count
             row.chunk_bytes = strategy.opt.operate.slot_bytes
             row.cap_bytes = (slots + 1) * row.chunk_bytes
 
-    measure_strategy(kind, params, spec, times, slots, row, measure)
+    with _flat_update(flat):
+        try:
+            measure_strategy(kind, params, spec, times, slots, row, measure)
+        except Exception as err:  # noqa: BLE001 - a flat row that fails is reported, the direct rows still run
+            if not flat:
+                raise
+            row.note = f"failed: {type(err).__name__}: {' '.join(str(err).split())[:200]}"
+            logger.opt(exception=err).error("{}: the flat chunk update failed", row.label)
     return row
 
 
@@ -171,9 +193,11 @@ def run_layout(
     repeats: int = 1,
     bandwidth_repeats: int = 4,
     on_done: Callable[[str], None] = lambda label: None,
+    flat: bool = False,
 ) -> LayoutResult:
     """Resident AdamW, then swapopt at each of `times` chunk counts, over one layout's params (scaled
-    to at most `max_numel` params when given)."""
+    to at most `max_numel` params when given); with `flat`, each chunk count also with the flat chunk update
+    (Note [flat chunk update] in swapopt.flat) on, in a row of its own."""
     shape = get_layout(layout) if isinstance(layout, str) else layout
     if max_numel is not None and shape.numel > max_numel:
         shape = scale_to_fit(shape, max_numel)
@@ -183,8 +207,9 @@ def run_layout(
     logger.info("layout {} (scale 1/{}): {} tensors, {} params", shape.name, shape.scale, shape.count, shape.numel)
     params = make_layout_params(shape)
     rows = []
-    for kind, t in [("resident", 0)] + [("swapopt", t) for t in times]:
-        rows.append(_measure(kind, params, spec, t or 16, slots, state_bytes, warmup, repeats))
+    runs = [("resident", 0, False)] + [("swapopt", t, f) for t in times for f in ((False, True) if flat else (False,))]
+    for kind, t, f in runs:
+        rows.append(_measure(kind, params, spec, t or 16, slots, state_bytes, warmup, repeats, flat=f))
         on_done(rows[-1].label)
     del params
     free_device_memory()

@@ -3,7 +3,7 @@
 Examples::
 
     swapopt-verify                                  # on a GPU/NPU: everything, within 30 minutes on one device
-    swapopt-verify --quick                          # a short slot: within 6 minutes on one H100, start-up included
+    swapopt-verify --quick                          # a short slot: within 8 minutes on one H100, start-up included
     swapopt-verify --model bench/results/REPORT.json  # later, on any CPU machine: add the modeled side
     swapopt-verify --dry-run --out /tmp/verify      # the same path on the simulator at small sizes, under a minute
     swapopt-verify --dry-run --sim 910b --skip-device-tests
