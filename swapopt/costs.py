@@ -19,6 +19,11 @@ ENV = "SWAPOPT_LINK_PRESET"
 # update's call), as the layout benchmark's Python time per chunk measures it on the simulator.
 PYTHON_CHUNK_US = 30.0
 LAUNCHES_PER_CHUNK = 4  # its swap-in, its swap-out, the update's step count and its kernel
+# Launches a chunk that holds cut pieces adds (Note [cut chunks] in swapopt.plan): the direct step's second call over
+# them (the step counts' add and the kernel) and the clone of a cut piece's step count; with as much Python as a
+# chunk's (their state dicts, the call). A model, not a measurement: the H100 runs of 2026-11-27 timed the cut chunks
+# before they were stepped directly (bench/results/cuda-h100-2026-11-27-host.md).
+CUT_CHUNK_LAUNCHES = 3
 _DEFAULT_PRESET = {"cuda": "h100", "npu": "910b"}
 
 
@@ -36,6 +41,7 @@ def _from_preset(preset) -> LinkCosts:
         duplex_table=tuple(getattr(preset, "duplex_table", ())) if sized else (),
         host_copy_us=preset.launch_us,
         host_tensor_us=getattr(preset, "host_tensor_us", 0.0),
+        host_cut_chunk_us=CUT_CHUNK_LAUNCHES * preset.launch_us + PYTHON_CHUNK_US,
     )
 
 

@@ -32,8 +32,10 @@ from swapopt import internals
 # It is taken only where ``_init_group`` would have nothing else to do or say:
 #   * the inner step is torch's own (``Adam.step`` and ``Adam._init_group``, not a subclass's override, not a
 #     wrapped step such as fault injection), the step has no keyword arguments;
-#   * every param of the chunk is whole and has its state dict, with the keys the group's flags ask for
-#     (the chunk is ``simple`` and its dicts are kept, pipeline.ChunkInputs), so no state is created;
+#   * every tensor it steps has its state dict, with the keys the group's flags ask for, so no state is created:
+#     the whole params of a chunk whose dicts are kept (pipeline.ChunkInputs; lists built once), or tensors whose
+#     dicts were made this step (pieces of cut params, Note [mixed chunks] in swapopt.pipeline, and the pieces of a
+#     chunk whose dicts are not kept; lists built each step, StepRun.step_made), chunks with masters aside;
 #   * no group is ``differentiable``, no foreach group has a tensor lr without capturable (torch raises
 #     there: the inner step raises it), no param is complex and every grad is present.
 # Anything else steps through the inner optimizer as before. Optimizers outside the Adam family have no

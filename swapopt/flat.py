@@ -57,9 +57,10 @@ from swapopt import hoststate, internals
 # the write-back) and as many tensors in its multi-tensor copies (three lists of the chunk's params, two of its
 # steps) as the direct step hands the fused kernel (five lists) and the step add (one): tiny10k at 64 chunks took
 # 1.56 x the bound with it, 513 launches, against 1.19 x and 257 with the direct step
-# (bench/results/sim-h100-2026-11-26-layouts-host.md). Until a device
-# shows multi-tensor copies cheaper per tensor than the fused kernel's lists, the direct step stays the default;
-# ENABLED turns the flat update on (the tests do).
+# (bench/results/sim-h100-2026-11-26-layouts-host.md). On the H100 itself (2026-11-27, the layout bench at 100 M
+# params, bench/results/cuda-h100-2026-11-27-host.md) it was slower than the direct step in 7 of 8 rows (moe at 64
+# chunks: 49.4 ms against 26.4; fsdp256 at 16: 7.9 against 5.3), and bitwise there (tests/cuda/test_cuda_flat.py).
+# So the direct step stays the default; ENABLED turns the flat update on (the tests do).
 ENABLED = False
 
 # Where each element lands in the flat tensor matters to CPU kernels, and so to the simulator, which runs them:

@@ -156,7 +156,6 @@ class ChunkInputs:
         self.bound: list[tuple[int, int, torch.Tensor, int]] = []  # flat pieces: (position, param index, local param, its address)
         self.masters: list[int] = []  # positions of the pieces stepped through their masters
         self.views = None  # the chunk views the master targets look into (None: the chunk has no master)
-        members: dict[int, list[torch.Tensor]] = defaultdict(list)
         for pos, piece in enumerate(prep.plan.chunks[k].pieces):
             p = prep.params[piece.index]
             master = views[pos].get(MASTER) if views is not None else None
@@ -171,10 +170,7 @@ class ChunkInputs:
             else:
                 t = p
             self.targets.append(t)
-            members[prep.groups[piece.index]].append(t)
-        self.order = sorted(members)
-        self.members = [members[gi] for gi in self.order]
-        self.groups = [dict(run.ctx.param_groups[gi], params=ps) for gi, ps in zip(self.order, self.members)]
+        pieces = prep.plan.chunks[k].pieces
         # Every piece a whole param and every state region moved by a run: when the inner step updated all
         # it was handed in place and added nothing, the chunk's swap-out is its runs and nothing is published
         # (StepRun.stepped_in_place), without looking at its pieces one by one.
@@ -182,11 +178,42 @@ class ChunkInputs:
         moved = [i for i, r in enumerate(regions) if r.nbytes and r.host is not None]
         self.simple = (
             not self.bound
-            and all(prep.is_whole(pc) for pc in prep.plan.chunks[k].pieces)
+            and all(prep.is_whole(pc) for pc in pieces)
             and all(r.key != GRAD for r in regions)
             and bool(prep.runs[k])
             and set(moved) <= prep.covered[k]
         )
+        # Note [mixed chunks]: a chunk that also holds pieces of cut params (or other pieces whose inputs are
+        # bound per step) steps its plain whole params as a simple chunk does (kept dicts, the direct step) and the
+        # rest, the ``cut`` positions, in a second call, their dicts made each step: a direct step over them where
+        # the optimizer has one (Note [direct step]), else the inner step. Both calls are the chunk's inner update
+        # (Note [failure semantics]); each param's update reads only its own states and the group's values, so the
+        # split changes no result, as cutting params into chunks does not. Before, one cut piece sent every param
+        # of its chunk through the inner step with dicts made afresh: on the H100 a plan that cuts a param at
+        # every chunk boundary (the moe layout at 300 M params, 16 and 64 requested chunks) took 2.3-2.7x the host
+        # CPU of the same plan stepped this way (bench/results/cuda-h100-2026-11-27-host.md).
+        self.cut: list[int] = []
+        if not self.simple and not self.masters and bool(prep.runs[k]):
+            bound = {pos for pos, _, _, _ in self.bound}
+            whole = [pos for pos, pc in enumerate(pieces) if pos not in bound and prep.is_whole(pc)]
+            plain = set(whole)
+            if len(whole) >= 2 and len(whole) < len(pieces) and all(
+                i in prep.covered[k] for i in moved if regions[i].piece in plain
+            ) and not any(r.key == GRAD and r.piece in plain for r in regions):
+                self.cut = [pos for pos in range(len(pieces)) if pos not in plain]
+        cut = set(self.cut)
+        kept_members: dict[int, list[torch.Tensor]] = defaultdict(list)
+        cut_members: dict[int, list[torch.Tensor]] = defaultdict(list)
+        for pos, piece in enumerate(pieces):
+            (cut_members if pos in cut else kept_members)[prep.groups[piece.index]].append(self.targets[pos])
+        # the group copies the kept dicts are stepped with (all of the chunk's but the cut positions')
+        self.kept_targets = [t for pos, t in enumerate(self.targets) if pos not in cut]
+        self.order = sorted(kept_members)
+        self.members = [kept_members[gi] for gi in self.order]
+        self.groups = [dict(run.ctx.param_groups[gi], params=ps) for gi, ps in zip(self.order, self.members)]
+        self.cut_order = sorted(cut_members)
+        self.cut_members = [cut_members[gi] for gi in self.cut_order]
+        self.cut_groups = [dict(run.ctx.param_groups[gi], params=ps) for gi, ps in zip(self.cut_order, self.cut_members)]
         self.kept: tuple | None = None  # see keep_states
         self.direct: DirectStep | None = None  # the kept dicts' lists for a direct step (Note [direct step])
         self.flat: FlatStep | None = None  # the kept dicts' flat tensors (Note [flat chunk update])
@@ -197,11 +224,11 @@ class ChunkInputs:
         for the next step. Each holds the slot views (fixed per plan, Note [persistent slots]) and the
         param's own scalar states. ``direct_ok``: the inner step has a direct form (swapopt.direct), whose
         lists are gathered from the kept dicts once, here."""
-        if len(chunk_state) == len(self.targets):  # a param without state: built afresh each step
+        if len(chunk_state) == len(self.kept_targets):  # a param without state: built afresh each step
             if self.direct_for is not chunk_state:
                 self.direct = DirectStep.build(self.members, self.groups, chunk_state) if direct_ok else None
                 self.flat = (
-                    FlatStep.build(self.targets, self.groups, chunk_state)
+                    FlatStep.build(self.kept_targets, self.groups, chunk_state)
                     if flat.ENABLED and self.direct is not None
                     else None
                 )
@@ -230,16 +257,19 @@ class ChunkInputs:
         return True
 
     def refresh(self, ctx: StepContext) -> list[dict]:
-        """The group copies with the groups' current values (and the step's hyperparameter copies)."""
+        """The group copies with the groups' current values (and the step's hyperparameter copies); the cut
+        positions' copies (Note [mixed chunks]) likewise."""
         hyper = ctx.hyper
-        for i, (gi, copy, ps) in enumerate(zip(self.order, self.groups, self.members)):
-            orig = ctx.param_groups[gi]
-            copy.update(orig)
-            if len(copy) != len(orig):  # a key was removed from the group: copy it afresh
-                copy = self.groups[i] = dict(orig)
-            copy["params"] = ps
-            if hyper:
-                copy.update(hyper.get(gi, ()))
+        for order, copies in ((self.order, self.groups), (self.cut_order, self.cut_groups)):
+            for i, (gi, copy) in enumerate(zip(order, copies)):
+                ps = copy["params"]
+                orig = ctx.param_groups[gi]
+                copy.update(orig)
+                if len(copy) != len(orig):  # a key was removed from the group: copy it afresh
+                    copy = copies[i] = dict(orig)
+                copy["params"] = ps
+                if hyper:
+                    copy.update(hyper.get(gi, ()))
         return self.groups
 
     def unbind(self) -> None:
@@ -601,16 +631,26 @@ class StepRun:
         with op.updating(k), step_range(f"swapopt.update[{k}]"):
             if self.snapshots is None:  # on the stream of the step's first update, before any of them
                 self.snapshots = self.snapshot_scalars()
-            kept = ci.take_states(views, self.stale is not None and k not in self.stale) if ci.simple else None
+            keeps = ci.simple or bool(ci.cut)  # Note [mixed chunks]
+            kept = ci.take_states(views, self.stale is not None and k not in self.stale) if keeps else None
+            cut = set(ci.cut)
             if kept is not None:  # the dicts of the last step stand for the states as they are
                 chunk_state, handed = kept
             else:
                 chunk_state = defaultdict(dict)
                 for pos, piece in enumerate(chunk.pieces):
-                    t, pst = self.piece_input(piece, views[pos], targets[pos])
+                    if pos not in cut:
+                        t, pst = self.piece_input(piece, views[pos], targets[pos])
+                        if pst is not None:
+                            chunk_state[t] = pst
+                handed = self.handed(chunk_state) if keeps else None
+            cut_state: defaultdict | None = None
+            if cut:
+                cut_state = defaultdict(dict)
+                for pos in ci.cut:
+                    t, pst = self.piece_input(chunk.pieces[pos], views[pos], targets[pos])
                     if pst is not None:
-                        chunk_state[t] = pst
-                handed = self.handed(chunk_state) if ci.simple else None
+                        cut_state[t] = pst
             groups = ci.refresh(self.ctx)
             progress["scalars"] = self.snapshots[k]
             progress["stage"] = ("update", k)
@@ -618,16 +658,26 @@ class StepRun:
             flat = ci.flat if fast is not None else None
             if flat is not None and flat.run(self.ctx.optimizer, groups, self.scratch):  # Note [flat chunk update]
                 pass
-            elif fast is None or not fast.run(self.ctx.optimizer, groups):  # Note [direct step]
-                inner.run_groups(self.ctx, ci.order, groups, chunk_state, self.kwargs)
+            elif fast is not None and fast.run(self.ctx.optimizer, groups):  # Note [direct step]
+                pass
+            else:
+                self.step_made(ci.order, ci.members, groups, chunk_state, bool(ci.masters))
+            if cut_state is not None:  # the cut positions: a call of their own (Note [mixed chunks])
+                self.step_made(ci.cut_order, ci.cut_members, ci.cut_groups, cut_state, False)
             ci.unbind()  # the update is issued: the cached views let go of this step's grads
             progress["stage"] = ("output", k)
-            progress["chunk"] = (targets, chunk_state, views)
+            every = chunk_state if cut_state is None else {**chunk_state, **cut_state}
+            progress["chunk"] = (targets, every, views)
             if handed is not None and self.stepped_in_place(chunk_state, handed):
                 copies, hold, finals = list(views.runs), [], []
                 ci.keep_states(chunk_state, handed, views, self.direct_ok)
+                if cut_state is not None:  # the cut positions' own copies and the scalars of params they end
+                    c, h, f = self.pieces_output(k, targets, cut_state, views, ci.cut)
+                    copies += c
+                    hold += h
+                    finals += f
             else:
-                copies, hold, finals = self.chunk_output(k, targets, chunk_state, views)
+                copies, hold, finals = self.chunk_output(k, targets, every, views)
             # a run also moves padding: count the bytes of the states it carries
             merged = len(views.runs) if isinstance(views, ChunkViews) else 0
             nbytes = sum(src.numel() * src.element_size() for _, src in copies[merged:])
@@ -655,6 +705,15 @@ class StepRun:
             watch = prep.scalars = ScalarWatch.of(prep, self.ctx.state)
         stacked = [torch.stack(values) for values in watch.stacks]
         return [[(own, ScalarRows(stacked[si], rows)) for si, own, rows in chunk] for chunk in watch.rows]
+
+    def step_made(self, order: list[int], members: list[list[torch.Tensor]], groups: list[dict], chunk_state: dict,
+                  masters: bool) -> None:  # fmt: skip
+        """Step tensors whose state dicts were made (or kept but not gathered) this step: a direct step over lists
+        gathered from them where every state exists (Note [direct step]), else the inner step. Chunks with masters
+        keep the inner step: the direct step is not checked against the masters' recipe (Note [master weights])."""
+        fast = DirectStep.build(members, groups, chunk_state) if self.direct_ok and not masters else None
+        if fast is None or not fast.run(self.ctx.optimizer, groups):
+            inner.run_groups(self.ctx, order, groups, chunk_state, self.kwargs)
 
     @staticmethod
     def handed(chunk_state: dict) -> tuple[int, list[int], list[Any]]:
@@ -722,9 +781,16 @@ class StepRun:
 
     def chunk_output(self, k: int, targets: list, chunk_state: dict, views: list):
         """Swap-out copies, device tensors to hold, and (param, scalars) of params whose last piece this is."""
-        copies, hold, finals = list(getattr(views, "runs", ())), [], []
+        copies, hold, finals = self.pieces_output(k, targets, chunk_state, views, range(len(targets)))
+        return list(getattr(views, "runs", ())) + copies, hold, finals
+
+    def pieces_output(self, k: int, targets: list, chunk_state: dict, views: list, positions: Iterable[int]):
+        """chunk_output of the pieces at ``positions`` alone, the chunk's runs left out."""
+        copies, hold, finals = [], [], []
         params, output, get = self.prep.params, self.piece_output, chunk_state.get
-        for pos, piece in enumerate(self.prep.plan.chunks[k].pieces):
+        pieces = self.prep.plan.chunks[k].pieces
+        for pos in positions:
+            piece = pieces[pos]
             t = targets[pos]
             pst = get(t)
             c, h, scalars = output(piece, t, pst if pst is not None else {}, views[pos])

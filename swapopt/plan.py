@@ -59,6 +59,14 @@ RAMP_MIN_CHUNKS = 8
 # than cut copies. More chunks asked for never means chunks above the bound they set: where the costs would
 # want larger ones, the memory bound wins. Without costs the rules above apply as they are.
 #
+# Note [cut chunks]: a chunk that holds pieces of cut params costs the host more than their copies. A cut piece's
+# state dict is made each step (slot views of its range and a clone of its step count) and it takes the inner
+# step's own call, while the chunk's whole params keep their dicts and take the direct step (Note [mixed chunks] in
+# swapopt.pipeline). Before chunks were mixed, one cut piece sent every param of its chunk through the inner step:
+# on the H100 (2026-11-27, bench/results/cuda-h100-2026-11-27-host.md) the moe layout at 100 M params and 16
+# requested chunks cut a param in 18 of its 19 chunks and took 42 ms of host CPU a step, at 64 chunks (none cut)
+# 26 ms. estimate_us charges such a chunk ``host_cut_chunk_us``.
+#
 # A piece of a param split across chunks costs a copy per state beyond the first, each way (``_copies``): each
 # state of a param lies dense and whole in host memory (the state dict hands them out as they are), so the
 # same elements of two states are two ranges there, never one. The planner counts them; it cannot merge them.
@@ -81,11 +89,15 @@ class LinkCosts:
     duplex_table: tuple[tuple[float, float, float], ...] = ()
     host_copy_us: float = 0.0  # host time of one more copy (its launch): what a split piece's copies add
     host_tensor_us: float = 0.0  # host time per tensor an update's lists take (param, grad, step, states)
+    # Host time a chunk that holds cut pieces pays for them: the inner step's own call over them and their state
+    # dicts, made each step (Note [cut chunks]).
+    host_cut_chunk_us: float = 0.0
 
     def __post_init__(self) -> None:
         if min(self.h2d_gbps, self.d2h_gbps, self.duplex_gbps) <= 0:
             raise ValueError(f"link rates must be positive, got {self}")
-        if min(self.copy_latency_us, self.host_chunk_us, self.host_copy_us, self.host_tensor_us) < 0:
+        if min(self.copy_latency_us, self.host_chunk_us, self.host_copy_us, self.host_tensor_us,
+               self.host_cut_chunk_us) < 0:
             raise ValueError(f"latency and host time must be >= 0, got {self}")
         if not 0.0 <= self.h2d_latency_share <= 1.0:
             raise ValueError(f"h2d_latency_share must lie in [0, 1], got {self.h2d_latency_share}")
@@ -327,6 +339,7 @@ def estimate_us(chunks: Sequence[Chunk], sizes: Sequence[ParamSize], costs: Link
         # a cut piece's extra copies each way, and the copy of its scalar states (step) it is stepped with
         host += costs.host_chunk_us + (2 * (copies - 1) + cut) * costs.host_copy_us
         host += costs.host_tensor_us * sum(tensors.get(pc.index, 4) for pc in chunk.pieces)
+        host += costs.host_cut_chunk_us if cut else 0.0
     # what the longer lane has left once the other is done moves at its rate alone, not the shared one
     (lat_a, both_a, solo_a), (lat_b, both_b, _) = sorted(lanes.values(), key=lambda lane: -(lane[0] + lane[1]))
     total_a, total_b = lat_a + both_a, lat_b + both_b

@@ -27,6 +27,8 @@ def test_costs_come_from_the_simulators_preset():
         for nbytes in (1 << 20, 64 << 20, 1 << 30):
             assert got.both_bytes_per_us(way, nbytes) == pytest.approx(p.both_gbps(way, nbytes) * 1e3)
     assert (got.host_copy_us, got.host_tensor_us) == (p.launch_us, p.host_tensor_us)
+    # a chunk with cut pieces: their own call and step clones, and a chunk's Python (Note [cut chunks])
+    assert got.host_cut_chunk_us == costs.CUT_CHUNK_LAUNCHES * p.launch_us + costs.PYTHON_CHUNK_US
     h100 = costs._named("h100")
     assert h100.latency_us("h2d") > 10 * h100.latency_us("d2h")  # the H100's H2D copies wait far longer
     assert h100.both_bytes_per_us("h2d", 256 << 20) == pytest.approx(PRESETS["h100"].both_gbps("h2d", 256 << 20) * 1e3)

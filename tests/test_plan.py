@@ -382,3 +382,24 @@ def test_link_costs_rates_with_both_busy():
     assert (H100.latency_us("h2d"), H100.latency_us("d2h")) == pytest.approx((28.249, 1.951), abs=1e-3)
     with pytest.raises(ValueError, match="duplex_table"):
         LinkCosts(1.0, 1.0, 1.0, 2.0, 1.0, duplex_table=((2.0, 1.0, 1.0), (1.0, 1.0, 1.0)))
+
+
+# ----- Note [cut chunks] ------------------------------------------------------------------------------------------
+def _cut_chunks(chunks, sizes) -> int:
+    whole = {s.index: s.numel for s in sizes}
+    return sum(any(pc.start > 0 or pc.stop < whole[pc.index] for pc in c.pieces) for c in chunks)
+
+
+def test_cut_chunks_cost_the_host_per_chunk():
+    sizes = [ParamSize(i, 100_000, 800_000, splittable=True, regions=2) for i in range(8)]
+    whole = chunk_pieces(sizes, 1_600_200, keep_whole=True)
+    cut = chunk_pieces(sizes, 1_200_000, keep_whole=False)
+    assert _cut_chunks(whole, sizes) == 0 and _cut_chunks(cut, sizes) > 0
+    base = dataclasses.replace(H100, host_chunk_us=0.0, host_copy_us=0.0, host_tensor_us=0.0, duplex_table=())
+    priced = dataclasses.replace(base, host_cut_chunk_us=10_000.0)  # the host sets the step
+    assert estimate_us(whole, sizes, priced) == estimate_us(whole, sizes, base)  # no cut: no charge
+    # the host's share is the cut chunks' charge, once each; the fill (first swap-in, last swap-out) adds to it
+    assert estimate_us(cut, sizes, priced) >= 10_000.0 * _cut_chunks(cut, sizes)
+    assert estimate_us(cut, sizes, priced) <= 10_000.0 * _cut_chunks(cut, sizes) + estimate_us(cut, sizes, base)
+    with pytest.raises(ValueError, match="host time"):
+        dataclasses.replace(base, host_cut_chunk_us=-1.0)
