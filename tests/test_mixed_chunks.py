@@ -173,3 +173,48 @@ def test_a_fault_in_either_call_of_a_mixed_chunk(which, monkeypatch):
     finally:
         logger.remove(handle)
         logger.disable("swapopt")
+
+
+@pytest.mark.parametrize(
+    "knobs", [{"overlap_forward": True}, {"prefetch": True}, {"slots": 2}, {"groups": True}, {"reload": True}], ids=str
+)
+def test_mixed_chunks_under_the_pipeline_knobs(knobs):
+    """The kept dicts and the cut pieces' dicts made each step, under the engine's knobs: the next forward's waits
+    (overlap_forward), chunks swapped in ahead (prefetch), two slots, two groups whose lr a schedule changes between
+    steps (each chunk's two calls hold copies of both), and a state_dict round trip in the middle of training."""
+    knobs = dict(knobs)
+    groups, reload = knobs.pop("groups", False), knobs.pop("reload", False)
+
+    def make(ps):
+        if groups:
+            return O.AdamW([{"params": ps[::2]}, {"params": ps[1::2], "lr": 3e-3}], lr=1e-2, fused=True)
+        return O.AdamW(ps, lr=1e-2, weight_decay=0.1, fused=True)
+
+    with simulator.activate():
+        torch.manual_seed(0)
+        ps = _params()
+        rs = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+        opt, ref = SwapOptimizer(make(ps), chunk_mb=CHUNK_MB, **knobs), make(rs)
+        if knobs.get("overlap_forward") or knobs.get("prefetch"):
+            opt.attach(torch.nn.ParameterList(ps))
+        for step in range(6):
+            _grads(ps, rs)
+            if groups and step == 3:  # a scheduler writes one group's lr between steps
+                for o in (opt, ref):
+                    o.param_groups[1]["lr"] = 1e-3
+            if reload and step == 3:
+                saved = opt.state_dict()
+                opt = SwapOptimizer(make(ps), chunk_mb=CHUNK_MB)
+                opt.load_state_dict(saved)
+            if knobs.get("prefetch"):
+                opt.prefetch()
+            opt.step()
+            ref.step()
+            if step == 2:
+                assert _mixed(opt), "no chunk of whole params and cut pieces"
+        opt.wait_for_swap_out()
+        opt.wait_for_update()
+        for p, r in zip(ps, rs):
+            assert torch.equal(p.detach(), r.detach())
+            for key, value in ref.state[r].items():
+                assert torch.equal(torch.as_tensor(opt.state[p][key]).cpu(), torch.as_tensor(value).cpu()), key
