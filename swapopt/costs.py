@@ -20,10 +20,10 @@ ENV = "SWAPOPT_LINK_PRESET"
 PYTHON_CHUNK_US = 30.0
 LAUNCHES_PER_CHUNK = 4  # its swap-in, its swap-out, the update's step count and its kernel
 # Launches a chunk that holds cut pieces adds (Note [cut chunks] in swapopt.plan): the direct step's second call over
-# them (the step counts' add and the kernel) and the clone of a cut piece's step count; with as much Python as a
-# chunk's (their state dicts, the call). A model, not a measurement: the H100 runs of 2026-11-27 timed the cut chunks
-# before they were stepped directly (bench/results/cuda-h100-2026-11-27-host.md).
-CUT_CHUNK_LAUNCHES = 3
+# them (the step counts' add and the kernel; each cut piece's step clone is one of the copies estimate_us counts);
+# with as much Python as a chunk's (their state dicts, the call). A model, not a measurement: the H100 runs of
+# 2026-11-27 timed the cut chunks before they were stepped directly (bench/results/cuda-h100-2026-11-27-host.md).
+CUT_CHUNK_LAUNCHES = 2
 _DEFAULT_PRESET = {"cuda": "h100", "npu": "910b"}
 
 

@@ -202,22 +202,27 @@ class ChunkInputs:
             ) and not any(r.key == GRAD and r.piece in plain for r in regions):
                 self.cut = [pos for pos in range(len(pieces)) if pos not in plain]
         cut = set(self.cut)
-        kept_members: dict[int, list[torch.Tensor]] = defaultdict(list)
-        cut_members: dict[int, list[torch.Tensor]] = defaultdict(list)
-        for pos, piece in enumerate(pieces):
-            (cut_members if pos in cut else kept_members)[prep.groups[piece.index]].append(self.targets[pos])
-        # the group copies the kept dicts are stepped with (all of the chunk's but the cut positions')
-        self.kept_targets = [t for pos, t in enumerate(self.targets) if pos not in cut]
-        self.order = sorted(kept_members)
-        self.members = [kept_members[gi] for gi in self.order]
-        self.groups = [dict(run.ctx.param_groups[gi], params=ps) for gi, ps in zip(self.order, self.members)]
-        self.cut_order = sorted(cut_members)
-        self.cut_members = [cut_members[gi] for gi in self.cut_order]
-        self.cut_groups = [dict(run.ctx.param_groups[gi], params=ps) for gi, ps in zip(self.cut_order, self.cut_members)]
+        # the positions whose dicts are kept (all of the chunk's but the cut ones) and the group copies of each side
+        self.kept_positions = [pos for pos in range(len(pieces)) if pos not in cut]
+        self.kept_targets = [self.targets[pos] for pos in self.kept_positions]
+        self.order, self.members, self.groups = self._group_copies(run, pieces, self.kept_positions)
+        self.cut_order, self.cut_members, self.cut_groups = self._group_copies(run, pieces, self.cut)
         self.kept: tuple | None = None  # see keep_states
         self.direct: DirectStep | None = None  # the kept dicts' lists for a direct step (Note [direct step])
         self.flat: FlatStep | None = None  # the kept dicts' flat tensors (Note [flat chunk update])
         self.direct_for: dict | None = None  # the kept dicts those lists were gathered from
+
+    def _group_copies(
+        self, run: "StepRun", pieces: Any, positions: list[int]
+    ) -> tuple[list[int], list[list[torch.Tensor]], list[dict]]:
+        """For the pieces at ``positions``: the indices of their param groups, in order, each group's targets (in
+        piece order), and a copy of each group over them."""
+        members: dict[int, list[torch.Tensor]] = defaultdict(list)
+        for pos in positions:
+            members[run.prep.groups[pieces[pos].index]].append(self.targets[pos])
+        order = sorted(members)
+        lists = [members[gi] for gi in order]
+        return order, lists, [dict(run.ctx.param_groups[gi], params=ps) for gi, ps in zip(order, lists)]
 
     def keep_states(self, chunk_state: dict, handed: tuple, views: Any, direct_ok: bool = False) -> None:
         """A simple chunk's update left every state dict as handed (StepRun.stepped_in_place): keep the dicts
@@ -633,19 +638,17 @@ class StepRun:
                 self.snapshots = self.snapshot_scalars()
             keeps = ci.simple or bool(ci.cut)  # Note [mixed chunks]
             kept = ci.take_states(views, self.stale is not None and k not in self.stale) if keeps else None
-            cut = set(ci.cut)
             if kept is not None:  # the dicts of the last step stand for the states as they are
                 chunk_state, handed = kept
             else:
                 chunk_state = defaultdict(dict)
-                for pos, piece in enumerate(chunk.pieces):
-                    if pos not in cut:
-                        t, pst = self.piece_input(piece, views[pos], targets[pos])
-                        if pst is not None:
-                            chunk_state[t] = pst
+                for pos in ci.kept_positions:
+                    t, pst = self.piece_input(chunk.pieces[pos], views[pos], targets[pos])
+                    if pst is not None:
+                        chunk_state[t] = pst
                 handed = self.handed(chunk_state) if keeps else None
             cut_state: defaultdict | None = None
-            if cut:
+            if ci.cut:
                 cut_state = defaultdict(dict)
                 for pos in ci.cut:
                     t, pst = self.piece_input(chunk.pieces[pos], views[pos], targets[pos])

@@ -60,9 +60,9 @@ RAMP_MIN_CHUNKS = 8
 # want larger ones, the memory bound wins. Without costs the rules above apply as they are.
 #
 # Note [cut chunks]: a chunk that holds pieces of cut params costs the host more than their copies. A cut piece's
-# state dict is made each step (slot views of its range and a clone of its step count) and it takes the inner
-# step's own call, while the chunk's whole params keep their dicts and take the direct step (Note [mixed chunks] in
-# swapopt.pipeline). Before chunks were mixed, one cut piece sent every param of its chunk through the inner step:
+# state dict is made each step (slot views of its range and a clone of its step count) and the cut pieces take a
+# call of their own, while the chunk's whole params keep their dicts and take the direct step (Note [mixed chunks]
+# in swapopt.pipeline). Before chunks were mixed, one cut piece sent every param of its chunk through the inner step:
 # on the H100 (2026-11-27, bench/results/cuda-h100-2026-11-27-host.md) the moe layout at 100 M params and 16
 # requested chunks cut a param in 18 of its 19 chunks and took 42 ms of host CPU a step, at 64 chunks (none cut)
 # 26 ms. estimate_us charges such a chunk ``host_cut_chunk_us``.
@@ -89,8 +89,8 @@ class LinkCosts:
     duplex_table: tuple[tuple[float, float, float], ...] = ()
     host_copy_us: float = 0.0  # host time of one more copy (its launch): what a split piece's copies add
     host_tensor_us: float = 0.0  # host time per tensor an update's lists take (param, grad, step, states)
-    # Host time a chunk that holds cut pieces pays for them: the inner step's own call over them and their state
-    # dicts, made each step (Note [cut chunks]).
+    # Host time a chunk that holds cut pieces pays for them beyond their copies: a call of their own and their
+    # state dicts, made each step (Note [cut chunks]).
     host_cut_chunk_us: float = 0.0
 
     def __post_init__(self) -> None:

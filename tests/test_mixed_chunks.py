@@ -27,10 +27,13 @@ MAKERS = {
 CHUNK_MB = 24 / 1024  # 24 KiB of states a chunk: the 8192-element params are cut, the small ones stay whole
 
 
+# Whole params on both sides of each cut one, so chunks mix the two (tests/cuda/test_cuda_parity.py takes them too).
+SHAPES = ((64,), (8, 16), (8192,), (96,), (7, 9), (64, 128), (33,), (128,), (5,))
+
+
 def _params() -> list[torch.nn.Parameter]:
-    # Whole params on both sides of each cut one, so chunks mix the two; odd shapes and a transposed one.
-    shapes = [(64,), (8, 16), (8192,), (96,), (7, 9), (64, 128), (33,), (128,), (5,)]
-    made = [torch.randn(s) for s in shapes]
+    # SHAPES, odd ones and a transposed layout among the whole params
+    made = [torch.randn(s) for s in SHAPES]
     made[4] = made[4].t().contiguous().t()  # a transposed layout among the whole params
     return [torch.nn.Parameter(t) for t in made]
 
@@ -41,11 +44,16 @@ def _grads(ps, rs) -> None:
         p.grad, r.grad = g.clone(), g.clone()
 
 
+def _plan(opt: SwapOptimizer):
+    """The plan the next step runs."""
+    params, groups, _ = opt._layout.active()
+    return opt._layout.prepare(params, groups).plan
+
+
 def _mixed(opt: SwapOptimizer) -> list[int]:
     """The chunks that hold whole params and cut pieces, from the step's plan."""
-    params, groups, _ = opt._layout.active()
-    plan = opt._layout.prepare(params, groups).plan
-    numel = [p.numel() for p in params]
+    plan = _plan(opt)
+    numel = [p.numel() for p in opt._layout.active()[0]]
     out = []
     for k, c in enumerate(plan.chunks):
         whole = sum(pc.start == 0 and pc.stop == numel[pc.index] for pc in c.pieces)
@@ -82,7 +90,7 @@ def test_mixed_chunks_take_the_direct_step_and_stay_bitwise(name, monkeypatch):
             ref.step()
         mixed = _mixed(opt)
         assert len(mixed) >= 2, "the plan has no chunk of whole params and cut pieces"
-        chunks = opt._layout.prepare(*opt._layout.active()[:2]).plan.chunks
+        chunks = _plan(opt).chunks
         cut = [pc for c in chunks for pc in c.pieces if not (pc.start == 0 and pc.stop == ps[pc.index].numel())]
         whole = len(ps) - len({pc.index for pc in cut})
         # the last step: the cut pieces went through calls of their own
@@ -118,7 +126,7 @@ def test_a_fault_in_either_call_of_a_mixed_chunk(which, monkeypatch):
                 ref.step()
             opt.wait_for_swap_out()
             k = _mixed(opt)[0]
-            plan = opt._layout.prepare(*opt._layout.active()[:2]).plan
+            plan = _plan(opt)
             _grads(ps, rs)
             old = snapshot_params(rs, ref.state)
             fired: list[str] = []

@@ -84,14 +84,12 @@ def test_cuda_parity_bf16_and_split(name):
     _run_pair(CASES[name], sizes=((1 << 16,), (300, 7)), chunk_mb=0.125)
 
 
-# Whole params on both sides of two cut ones: chunks of whole params and cut pieces (Note [mixed chunks] in
-# swapopt.pipeline), as tests/test_mixed_chunks.py has them on the simulator.
-MIXED_SIZES = ((64,), (8, 16), (8192,), (96,), (7, 9), (64, 128), (33,), (128,), (5,))
-
-
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_cuda_parity_mixed_chunks(name):
-    _run_pair(CASES[name], sizes=MIXED_SIZES, chunk_mb=24 / 1024)
+    # chunks of whole params and cut pieces (Note [mixed chunks] in swapopt.pipeline), as on the simulator
+    from test_mixed_chunks import CHUNK_MB, SHAPES
+
+    _run_pair(CASES[name], sizes=SHAPES, chunk_mb=CHUNK_MB)
 
 
 @pytest.mark.parametrize("slots", [2, 3])
