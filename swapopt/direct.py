@@ -39,11 +39,13 @@ from swapopt import internals
 #   * no group is ``differentiable``, no foreach group has a tensor lr without capturable (torch raises
 #     there: the inner step raises it), no param is complex and every grad is present.
 # Anything else steps through the inner optimizer as before. Optimizers outside the Adam family have no
-# direct step.
+# direct step. A fused group copy of one device and dtype skips the functional's grouping pass too (Note [fused
+# kernel call] in swapopt.internals).
 
 
 _ADAM_STEP = internals.unhooked(torch.optim.Adam.step)
 _GRAD = operator.attrgetter("grad")
+_DTYPE = operator.attrgetter("dtype")
 _FLAGS = ("amsgrad", "foreach", "fused", "capturable", "differentiable", "decoupled_weight_decay")
 
 
@@ -71,6 +73,9 @@ class _Group:
     max_exp_avg_sqs: list[torch.Tensor]
     steps: list[torch.Tensor]
     flags: tuple  # the group flags the lists were gathered for
+    # fused, every param on one device and of one dtype, every step count a tensor: the fused ops may be called
+    # without the functional's grouping pass (Note [fused kernel call] in swapopt.internals)
+    one_kind: bool = False
 
 
 @dataclass(eq=False)
@@ -100,6 +105,10 @@ class DirectStep:
                         return None
                     g.max_exp_avg_sqs.append(st["max_exp_avg_sq"])
                 g.steps.append(st["step"])
+            g.one_kind = bool(
+                group.get("fused") and all(map(torch.is_tensor, g.steps))
+                and len({(p.device, p.dtype) for p in ps}) == 1
+            )
             out.append(g)
         return cls(out)
 
@@ -111,18 +120,32 @@ class DirectStep:
                 return False
             if group["foreach"] and torch.is_tensor(group["lr"]) and not group["capturable"]:
                 return False
-        if any(any(map(torch.is_complex, g.params)) for g in self.groups):
+        dtypes = [set(map(_DTYPE, g.params)) for g in self.groups]  # one C-level pass a group
+        if any(d.is_complex for ds in dtypes for d in ds):
             return False
         grads = [list(map(_GRAD, g.params)) for g in self.groups]
         if any(any(map(operator.is_, gs, repeat(None))) for gs in grads):
             return False
         grad_scale = getattr(optimizer, "grad_scale", None)
         found_inf = getattr(optimizer, "found_inf", None)
-        for g, gs, group in zip(self.groups, grads, groups):
+        for g, gs, ds, group in zip(self.groups, grads, dtypes, groups):
             beta1, beta2 = group["betas"]
+            lr = group["lr"]
+            if (
+                g.one_kind and grad_scale is None and found_inf is None
+                and not any(map(torch.is_tensor, (lr, beta1, beta2)))
+                and len(ds) == 1  # a param's ``.data`` may have been given another dtype since
+            ):
+                internals.adam_fused_call(
+                    g.params, gs, g.exp_avgs, g.exp_avg_sqs, g.max_exp_avg_sqs, g.steps,
+                    decoupled_weight_decay=group["decoupled_weight_decay"], amsgrad=group["amsgrad"], lr=lr,
+                    beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"],
+                    maximize=group["maximize"],
+                )  # fmt: skip
+                continue
             internals.adam_functional(
                 g.params, gs, g.exp_avgs, g.exp_avg_sqs, g.max_exp_avg_sqs, g.steps,
-                amsgrad=group["amsgrad"], has_complex=False, beta1=beta1, beta2=beta2, lr=group["lr"],
+                amsgrad=group["amsgrad"], has_complex=False, beta1=beta1, beta2=beta2, lr=lr,
                 weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
                 foreach=group["foreach"], capturable=group["capturable"], differentiable=False,
                 fused=group["fused"], grad_scale=grad_scale, found_inf=found_inf,

@@ -246,6 +246,34 @@ def adam_functional(*args: Any, **kwargs: Any) -> None:
     return sys.modules["torch.optim.adam"].adam(*args, **kwargs)
 
 
+# Note [fused kernel call] (swapopt.direct): with ``fused=True`` the functional ends in torch.optim.adam._fused_adam,
+# which groups its lists by the params' device and dtype (``Optimizer._group_tensors_by_device_and_dtype``, a C++
+# pass that costs the host 2-3 us a tensor, as much as the kernel's own host work) and then, per group: adds 1 to
+# the step counts (one ``torch._foreach_add_``), calls the private fused op (``torch._fused_adamw_`` with
+# decoupled weight decay, else ``torch._fused_adam_``) over the group's lists, and, with a ``found_inf``,
+# subtracts it from the step counts. Where every param is on one device and of one dtype there is one group, the
+# lists as given, so those ops called directly are that call without the grouping pass. swapopt.direct does so
+# only there, and only with no ``grad_scale``/``found_inf``, a float lr and float betas (the functional's
+# conversions of those are left to it), with the functional's own check that every step count is a tensor.
+# torch 2.6-2.13 keep that recipe and those ops' signatures.
+def adam_fused_call(
+    params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor], max_exp_avg_sqs: list[torch.Tensor], steps: list[torch.Tensor], *,
+    decoupled_weight_decay: bool, amsgrad: bool, lr: float, beta1: float, beta2: float, weight_decay: float,
+    eps: float, maximize: bool,
+) -> None:
+    """What torch.optim.adam._fused_adam does for lists of one device and dtype, with no grad_scale or found_inf
+    (Note [fused kernel call])."""
+    if not params:
+        return
+    torch._foreach_add_(steps, 1)
+    kernel = torch._fused_adamw_ if decoupled_weight_decay else torch._fused_adam_
+    kernel(
+        params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, amsgrad=amsgrad, lr=lr, beta1=beta1,
+        beta2=beta2, weight_decay=weight_decay, eps=eps, maximize=maximize, grad_scale=None, found_inf=None,
+    )  # fmt: skip
+
+
 def adam_functional_keywords() -> frozenset[str]:
     """The keyword parameters of torch.optim.adam.adam in this torch (they changed across 2.6-2.13)."""
     return frozenset(inspect.signature(sys.modules["torch.optim.adam"].adam).parameters)

@@ -119,6 +119,10 @@ class Prepared:
     watch_present: list[Any] = field(default_factory=list)  # the watched dicts that exist
     watch_lens: list[int] = field(default_factory=list)
     watch_states: tuple[list, list, list] = ((), (), ())
+    # The whole state mapping (it, its keys, its values) when the per-param check of the dicts last passed: the same
+    # keys and values, by identity and in order, give every param the same dict without hashing each param (a
+    # tensor's hash is a Python call, about 0.3 us a param on a GPU host)
+    watch_mapping: tuple[Any, list, list] | None = None
     recheck: list[int] = field(default_factory=list)  # flat params: their grad layout decides gathering
     group_ids: list[int] = field(default_factory=list)  # distinct groups of the params, sorted
     preallocated: bool = False  # a preallocate found nothing to create: none will while this plan holds
@@ -422,8 +426,13 @@ class HostLayout:
             return False
         if groups != prep.groups:
             return False
-        if not same_objects(list(map(self.state.get, prep.watch_params)), prep.watch_dicts):
-            return False
+        state = self.state
+        keys, values = list(state), list(state.values())
+        seen = prep.watch_mapping
+        if seen is None or seen[0] is not state or not same_objects(keys, seen[1]) or not same_objects(values, seen[2]):
+            if not same_objects(list(map(state.get, prep.watch_params)), prep.watch_dicts):
+                return False
+            prep.watch_mapping = (state, keys, values)
         if list(map(len, prep.watch_present)) != prep.watch_lens:
             return False
         dicts, keys, stored = prep.watch_states

@@ -108,6 +108,11 @@ class SwapOptimizerOperate:
         self._start: Any = None
         self._end: Any = None
         self._pending_start: Any = None  # the running step's start event
+        # Per-param events (swap_in_event, ...): the last finished step's, read through its plan's map of each
+        # param to its last chunk and that step's event lists (``_last``: (that map, h2d, update, d2h events));
+        # older steps' for params that step did not swap, in the dicts. Finishing a step of the same plan replaces
+        # ``_last`` without a per-param loop; a step of another plan first folds ``_last`` into the dicts.
+        self._last: tuple[dict[torch.Tensor, int], list, list, list] | None = None
         self._swap_in: dict[torch.Tensor, Any] = {}
         self._update: dict[torch.Tensor, Any] = {}
         self._swap_out: dict[torch.Tensor, Any] = {}
@@ -129,6 +134,7 @@ class SwapOptimizerOperate:
         self._slot_store, self._slot_key = [], ()
         self._last_d2h = None
         self.pending.clear()
+        self._last = None
         self._swap_in.clear()
         self._update.clear()
         self._swap_out.clear()
@@ -454,10 +460,9 @@ class SwapOptimizerOperate:
             for t in held:
                 device.record_stream(t, d2h)
         self._drop()
-        for p, k in last_chunk.items():
-            self._swap_in[p] = self.h2d_events[k]
-            self._update[p] = self.update_events[k]
-            self._swap_out[p] = self.d2h_events[k]
+        if self._last is not None and self._last[0] is not last_chunk:
+            self._fold_last()
+        self._last = (last_chunk, self.h2d_events, self.update_events, self.d2h_events)
         if self.overlap:
             for p, k in last_chunk.items():
                 if self.update_events[k] is not None:
@@ -489,7 +494,7 @@ class SwapOptimizerOperate:
         if params is None:
             events = [self._last_d2h]
         else:
-            events = list({id(e): e for e in (self._swap_out.get(p) for p in params) if e is not None}.values())
+            events = list({id(e): e for e in map(self.swap_out_event, params) if e is not None}.values())
         for event in events:
             if event is not None:
                 event.synchronize()
@@ -516,14 +521,31 @@ class SwapOptimizerOperate:
         self._end.synchronize()
         return float(self._start.elapsed_time(self._end))
 
+    def _fold_last(self) -> None:
+        """Move the last step's per-param events into the dicts (a step of another plan follows)."""
+        last_chunk, h2d, update, d2h = self._last
+        self._last = None
+        for p, k in last_chunk.items():
+            self._swap_in[p] = h2d[k]
+            self._update[p] = update[k]
+            self._swap_out[p] = d2h[k]
+
+    def _event(self, p: torch.Tensor, which: int, older: dict[torch.Tensor, Any]) -> Any:
+        last = self._last
+        if last is not None:
+            k = last[0].get(p)
+            if k is not None:
+                return last[which][k]
+        return older.get(p)
+
     def swap_in_event(self, p: torch.Tensor) -> Any:
-        return self._swap_in.get(p)
+        return self._event(p, 1, self._swap_in)
 
     def update_event(self, p: torch.Tensor) -> Any:
-        return self._update.get(p)
+        return self._event(p, 2, self._update)
 
     def swap_out_event(self, p: torch.Tensor) -> Any:
-        return self._swap_out.get(p)
+        return self._event(p, 3, self._swap_out)
 
 
 def _others(streams: list[Any], allocating: Any) -> list[Any]:

@@ -659,11 +659,14 @@ class StepRun:
             progress["stage"] = ("update", k)
             fast = ci.direct if self.direct_ok and kept is not None and ci.direct_for is chunk_state else None
             flat = ci.flat if fast is not None else None
+            # The direct and flat steps update the tensors of their lists in place and never touch a state dict.
+            direct_ran = True
             if flat is not None and flat.run(self.ctx.optimizer, groups, self.scratch):  # Note [flat chunk update]
                 pass
             elif fast is not None and fast.run(self.ctx.optimizer, groups):  # Note [direct step]
                 pass
             else:
+                direct_ran = False
                 self.step_made(ci.order, ci.members, groups, chunk_state, bool(ci.masters))
             if cut_state is not None:  # the cut positions: a call of their own (Note [mixed chunks])
                 self.step_made(ci.cut_order, ci.cut_members, ci.cut_groups, cut_state, False)
@@ -671,7 +674,7 @@ class StepRun:
             progress["stage"] = ("output", k)
             every = chunk_state if cut_state is None else {**chunk_state, **cut_state}
             progress["chunk"] = (targets, every, views)
-            if handed is not None and self.stepped_in_place(chunk_state, handed):
+            if handed is not None and (direct_ran or self.stepped_in_place(chunk_state, handed)):
                 copies, hold, finals = list(views.runs), [], []
                 ci.keep_states(chunk_state, handed, views, self.direct_ok)
                 if cut_state is not None:  # the cut positions' own copies and the scalars of params they end

@@ -129,3 +129,76 @@ def test_direct_step_survives_a_wrapped_init_group(monkeypatch):
     monkeypatch.setattr(torch.optim.Adam, "_init_group", wrapped)
     taken = _run(lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=True), swap_optimizer_times=2)
     assert taken and all(taken)
+
+
+# Note [fused kernel call] in swapopt.internals: a fused group of one device and dtype calls torch's fused ops
+# without the functional's grouping pass; anything the functional would convert (grad_scale/found_inf, a tensor lr)
+# or split (params of two dtypes) goes through the functional.
+FUSED = [
+    lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, fused=True),
+    lambda ps: torch.optim.Adam(ps, lr=1e-2, fused=True, amsgrad=True, maximize=True, weight_decay=0.05),
+    lambda ps: torch.optim.Adam(
+        [{"params": ps[:2]}, {"params": ps[2:], "lr": 3e-3, "betas": (0.8, 0.9), "amsgrad": True}], fused=True
+    ),
+]
+
+
+def _counting_fused_calls(monkeypatch) -> list[int]:
+    from swapopt import internals
+
+    calls = []
+    real = internals.adam_fused_call
+
+    def counting(params, *args, **kwargs):
+        calls.append(len(params))
+        return real(params, *args, **kwargs)
+
+    monkeypatch.setattr(internals, "adam_fused_call", counting)
+    return calls
+
+
+@pytest.mark.parametrize("make", FUSED, ids=["adamw", "adam-amsgrad-maximize", "adam-groups"])
+@pytest.mark.parametrize("knobs", KNOBS, ids=["times1", "times2", "mixed"])
+def test_fused_groups_call_the_kernel_without_grouping(monkeypatch, make, knobs):
+    calls = _counting_fused_calls(monkeypatch)
+    taken = _run(make, **knobs)
+    assert taken and all(taken)
+    assert len(calls) >= len(taken) and all(calls)  # each direct step: one call a group copy, none empty
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        dict(make=lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True), grad_scale=4.0),
+        dict(make=lambda ps: torch.optim.Adam(ps, lr=torch.tensor(1e-2), fused=True)),
+        dict(make=lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=True)),
+    ],
+    ids=["grad-scaler", "tensor-lr", "foreach"],
+)
+def test_what_the_functional_converts_goes_through_it(monkeypatch, case):
+    calls = _counting_fused_calls(monkeypatch)
+    taken = _run(case["make"], grad_scale=case.get("grad_scale"), swap_optimizer_times=2)
+    assert taken and all(taken)  # the direct step, through the functional
+    assert calls == []
+
+
+def test_params_of_two_dtypes_in_one_group_go_through_the_functional(monkeypatch):
+    """The functional groups fp32 and bf16 params apart (one kernel call each): the direct step leaves that to it."""
+    calls = _counting_fused_calls(monkeypatch)
+    torch.manual_seed(0)
+    with simulator.activate():
+        dev = device.torch_device()
+        ps = [torch.nn.Parameter(torch.randn(s, device=dev, dtype=dt))
+              for s, dt in zip(SIZES, (torch.float32, torch.bfloat16) * 3)]  # fmt: skip
+        rs = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+        opt = SwapOptimizer(torch.optim.AdamW(ps, lr=1e-2, fused=True), swap_optimizer_times=1)
+        ref = torch.optim.AdamW(rs, lr=1e-2, fused=True)
+        for _ in range(STEPS):
+            for p, r in zip(ps, rs):
+                g = torch.randn(p.shape, device=dev, dtype=p.dtype)
+                p.grad, r.grad = g.clone(), g.clone()
+            opt.step()
+            ref.step()
+        opt.wait_for_swap_out()
+        assert_params_and_states_equal(opt, ps, ref, rs)
+    assert calls == []

@@ -207,6 +207,36 @@ def test_wait_for_swap_out_orders_host_reads(sim):
     assert all(device.is_host_tensor(opt.state[p]["exp_avg_sq"]) for p in params)
 
 
+def test_per_param_events_are_the_last_step_that_swapped_each_param(sim):
+    """A step of the same plan replaces every param's events; a param the last step did not swap (no grad: another
+    plan) keeps those of the step that last did."""
+    params = [torch.nn.Parameter(torch.randn(600)) for _ in range(4)]
+    opt = SwapOptimizer(O.AdamW(params, lr=1e-3), swap_optimizer_times=4)
+    op = opt.operate
+
+    def events(p):
+        return op.swap_in_event(p), op.update_event(p), op.swap_out_event(p)
+
+    _step_all(opt, params, 2)  # the first step has no states to swap in
+    first = [events(p) for p in params]
+    assert all(e is not None for es in first for e in es)
+    _step_all(opt, params, 1)  # the same plan
+    second = [events(p) for p in params]
+    assert all(a is not b for x, y in zip(first, second) for a, b in zip(x, y))
+    for p in params[:3]:
+        p.grad = torch.randn(p.shape)
+    params[3].grad = None
+    opt.step()  # another plan, without the last param
+    third = [events(p) for p in params]
+    assert third[3] == second[3]
+    assert all(a is not b for x, y in zip(second[:3], third[:3]) for a, b in zip(x, y))
+    _step_all(opt, params, 1)  # back to a plan with all four
+    fourth = [events(p) for p in params]
+    assert all(a is not b for x, y in zip(third, fourth) for a, b in zip(x, y))
+    opt.wait_for_swap_out(params[3:])
+    assert fourth[3][2].query()
+
+
 def test_state_moved_to_device_is_rehomed(sim):
     torch.manual_seed(0)
     ps = [torch.nn.Parameter(torch.randn(50)) for _ in range(2)]

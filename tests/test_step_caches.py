@@ -284,6 +284,46 @@ def test_steady_step_aten_ops_do_not_grow_with_tensors(sim, n):
     assert counts.aten_ops <= 12 * K, counts
 
 
+def _python_calls(fn) -> int:
+    """Python function calls (and builtins called from Python) made by ``fn``, outside the simulator's frames."""
+    import sys
+
+    calls, inside = 0, 0
+
+    def profile(frame, event, arg):
+        nonlocal calls, inside
+        sim_frame = "/device/sim/" in frame.f_code.co_filename
+        if event == "call" and sim_frame:
+            inside += 1
+        elif event == "return" and sim_frame:
+            inside -= 1
+        elif inside == 0 and event in ("call", "c_call"):
+            calls += 1
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+def test_steady_step_makes_no_python_call_per_tensor(sim):
+    """A cache-hit step of fused AdamW (the direct step, Note [fused kernel call] in swapopt.internals) makes as
+    many Python calls for 400 tensors as for 40: no hashing of each param, no grouping pass, no per-param event
+    bookkeeping."""
+    found = []
+    for n in (N, 10 * N):
+        params = [torch.nn.Parameter(torch.randn(NUMEL)) for _ in range(n)]
+        opt = SwapOptimizer(_build("adamw", params), swap_optimizer_times=K)
+        for _ in range(3):
+            for p in params:
+                p.grad = torch.randn(NUMEL)
+            opt.step()
+        found.append(_python_calls(opt.step))
+    assert found[0] == found[1], found
+
+
 @pytest.mark.parametrize("loaded", [False, True])
 def test_a_param_split_across_chunks_keeps_one_copy_per_state_and_chunk(sim, loaded):
     # Params A (whole), P (cut across two chunks), B (whole), two states each: P's states lie whole in the
