@@ -269,16 +269,22 @@ def test_state_replaced_by_hand_is_caught_on_a_cache_hit(sim):
     _check_parity(opt, params, ref, ref_opt)
 
 
-@pytest.mark.parametrize("n", [N, 10 * N])
-def test_steady_step_aten_ops_do_not_grow_with_tensors(sim, n):
-    """1-D states get their slot views from one split per dtype and chunk: a cache-hit step dispatches
-    the same number of aten ops for 40 tensors as for 400."""
+def _steady_adamw(n: int) -> SwapOptimizer:
+    """Fused AdamW over n params of NUMEL elements in K chunks, after three steps: the next step hits every cache."""
     params = [torch.nn.Parameter(torch.randn(NUMEL)) for _ in range(n)]
     opt = SwapOptimizer(_build("adamw", params), swap_optimizer_times=K)
     for _ in range(3):
         for p in params:
             p.grad = torch.randn(NUMEL)
         opt.step()
+    return opt
+
+
+@pytest.mark.parametrize("n", [N, 10 * N])
+def test_steady_step_aten_ops_do_not_grow_with_tensors(sim, n):
+    """1-D states get their slot views from one split per dtype and chunk: a cache-hit step dispatches
+    the same number of aten ops for 40 tensors as for 400."""
+    opt = _steady_adamw(n)
     counts = count_call(opt.step)
     assert counts.h2d_copies == K and counts.d2h_copies == K
     assert counts.aten_ops <= 12 * K, counts
@@ -314,13 +320,7 @@ def test_steady_step_makes_no_python_call_per_tensor(sim):
     bookkeeping."""
     found = []
     for n in (N, 10 * N):
-        params = [torch.nn.Parameter(torch.randn(NUMEL)) for _ in range(n)]
-        opt = SwapOptimizer(_build("adamw", params), swap_optimizer_times=K)
-        for _ in range(3):
-            for p in params:
-                p.grad = torch.randn(NUMEL)
-            opt.step()
-        found.append(_python_calls(opt.step))
+        found.append(_python_calls(_steady_adamw(n).step))
     assert found[0] == found[1], found
 
 
