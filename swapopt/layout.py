@@ -427,12 +427,13 @@ class HostLayout:
         if groups != prep.groups:
             return False
         state = self.state
-        keys, values = list(state), list(state.values())
+        owners, dicts_now = list(state), list(state.values())
         seen = prep.watch_mapping
-        if seen is None or seen[0] is not state or not same_objects(keys, seen[1]) or not same_objects(values, seen[2]):
+        if (seen is None or seen[0] is not state
+                or not same_objects(owners, seen[1]) or not same_objects(dicts_now, seen[2])):
             if not same_objects(list(map(state.get, prep.watch_params)), prep.watch_dicts):
                 return False
-            prep.watch_mapping = (state, keys, values)
+            prep.watch_mapping = (state, owners, dicts_now)
         if list(map(len, prep.watch_present)) != prep.watch_lens:
             return False
         dicts, keys, stored = prep.watch_states

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Iterable, Iterator, NamedTuple, Sequence
 
 import torch
 
@@ -62,6 +62,15 @@ def step_range(label: str) -> AbstractContextManager[Any]:
     if internals.profiler_recording() or device.labels_ranges():
         return torch.profiler.record_function(label)
     return _NO_RANGE
+
+
+class _StepEvents(NamedTuple):
+    """A finished step's events per chunk, and which chunk last held each param it swapped."""
+
+    last_chunk: dict[torch.Tensor, int]
+    h2d: list[Any]
+    update: list[Any]
+    d2h: list[Any]
 
 
 @dataclass(eq=False)
@@ -112,7 +121,7 @@ class SwapOptimizerOperate:
         # param to its last chunk and that step's event lists (``_last``: (that map, h2d, update, d2h events));
         # older steps' for params that step did not swap, in the dicts. Finishing a step of the same plan replaces
         # ``_last`` without a per-param loop; a step of another plan first folds ``_last`` into the dicts.
-        self._last: tuple[dict[torch.Tensor, int], list, list, list] | None = None
+        self._last: _StepEvents | None = None
         self._swap_in: dict[torch.Tensor, Any] = {}
         self._update: dict[torch.Tensor, Any] = {}
         self._swap_out: dict[torch.Tensor, Any] = {}
@@ -462,7 +471,7 @@ class SwapOptimizerOperate:
         self._drop()
         if self._last is not None and self._last[0] is not last_chunk:
             self._fold_last()
-        self._last = (last_chunk, self.h2d_events, self.update_events, self.d2h_events)
+        self._last = _StepEvents(last_chunk, self.h2d_events, self.update_events, self.d2h_events)
         if self.overlap:
             for p, k in last_chunk.items():
                 if self.update_events[k] is not None:
@@ -523,29 +532,29 @@ class SwapOptimizerOperate:
 
     def _fold_last(self) -> None:
         """Move the last step's per-param events into the dicts (a step of another plan follows)."""
-        last_chunk, h2d, update, d2h = self._last
-        self._last = None
-        for p, k in last_chunk.items():
-            self._swap_in[p] = h2d[k]
-            self._update[p] = update[k]
-            self._swap_out[p] = d2h[k]
+        last, self._last = self._last, None
+        for p, k in last.last_chunk.items():
+            self._swap_in[p] = last.h2d[k]
+            self._update[p] = last.update[k]
+            self._swap_out[p] = last.d2h[k]
 
-    def _event(self, p: torch.Tensor, which: int, older: dict[torch.Tensor, Any]) -> Any:
+    def _event(self, p: torch.Tensor, which: str, older: dict[torch.Tensor, Any]) -> Any:
+        """p's ``which`` event ("h2d", "update", "d2h") of the last step that swapped it."""
         last = self._last
         if last is not None:
-            k = last[0].get(p)
+            k = last.last_chunk.get(p)
             if k is not None:
-                return last[which][k]
+                return getattr(last, which)[k]
         return older.get(p)
 
     def swap_in_event(self, p: torch.Tensor) -> Any:
-        return self._event(p, 1, self._swap_in)
+        return self._event(p, "h2d", self._swap_in)
 
     def update_event(self, p: torch.Tensor) -> Any:
-        return self._event(p, 2, self._update)
+        return self._event(p, "update", self._update)
 
     def swap_out_event(self, p: torch.Tensor) -> Any:
-        return self._event(p, 3, self._swap_out)
+        return self._event(p, "d2h", self._swap_out)
 
 
 def _others(streams: list[Any], allocating: Any) -> list[Any]:

@@ -202,6 +202,7 @@ class ChunkInputs:
             ) and not any(r.key == GRAD and r.piece in plain for r in regions):
                 self.cut = [pos for pos in range(len(pieces)) if pos not in plain]
         cut = set(self.cut)
+        self.keeps = self.simple or bool(self.cut)  # the dicts of the kept positions are kept between steps
         # the positions whose dicts are kept (all of the chunk's but the cut ones) and the group copies of each side
         self.kept_positions = [pos for pos in range(len(pieces)) if pos not in cut]
         self.kept_targets = [self.targets[pos] for pos in self.kept_positions]
@@ -636,8 +637,7 @@ class StepRun:
         with op.updating(k), step_range(f"swapopt.update[{k}]"):
             if self.snapshots is None:  # on the stream of the step's first update, before any of them
                 self.snapshots = self.snapshot_scalars()
-            keeps = ci.simple or bool(ci.cut)  # Note [mixed chunks]
-            kept = ci.take_states(views, self.stale is not None and k not in self.stale) if keeps else None
+            kept = ci.take_states(views, self.stale is not None and k not in self.stale) if ci.keeps else None
             if kept is not None:  # the dicts of the last step stand for the states as they are
                 chunk_state, handed = kept
             else:
@@ -646,7 +646,7 @@ class StepRun:
                     t, pst = self.piece_input(chunk.pieces[pos], views[pos], targets[pos])
                     if pst is not None:
                         chunk_state[t] = pst
-                handed = self.handed(chunk_state) if keeps else None
+                handed = self.handed(chunk_state) if ci.keeps else None
             cut_state: defaultdict | None = None
             if ci.cut:
                 cut_state = defaultdict(dict)
@@ -659,14 +659,12 @@ class StepRun:
             progress["stage"] = ("update", k)
             fast = ci.direct if self.direct_ok and kept is not None and ci.direct_for is chunk_state else None
             flat = ci.flat if fast is not None else None
-            # The direct and flat steps update the tensors of their lists in place and never touch a state dict.
-            direct_ran = True
-            if flat is not None and flat.run(self.ctx.optimizer, groups, self.scratch):  # Note [flat chunk update]
-                pass
-            elif fast is not None and fast.run(self.ctx.optimizer, groups):  # Note [direct step]
-                pass
-            else:
-                direct_ran = False
+            # The flat and direct steps update the tensors of their lists in place and never touch a state dict.
+            stepped_directly = (
+                flat is not None and flat.run(self.ctx.optimizer, groups, self.scratch)  # Note [flat chunk update]
+                or fast is not None and fast.run(self.ctx.optimizer, groups)  # Note [direct step]
+            )
+            if not stepped_directly:
                 self.step_made(ci.order, ci.members, groups, chunk_state, bool(ci.masters))
             if cut_state is not None:  # the cut positions: a call of their own (Note [mixed chunks])
                 self.step_made(ci.cut_order, ci.cut_members, ci.cut_groups, cut_state, False)
@@ -674,7 +672,7 @@ class StepRun:
             progress["stage"] = ("output", k)
             every = chunk_state if cut_state is None else {**chunk_state, **cut_state}
             progress["chunk"] = (targets, every, views)
-            if handed is not None and (direct_ran or self.stepped_in_place(chunk_state, handed)):
+            if handed is not None and (stepped_directly or self.stepped_in_place(chunk_state, handed)):
                 copies, hold, finals = list(views.runs), [], []
                 ci.keep_states(chunk_state, handed, views, self.direct_ok)
                 if cut_state is not None:  # the cut positions' own copies and the scalars of params they end
