@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from itertools import repeat
+from itertools import chain, repeat
 from typing import Any, Callable
 
 import torch
@@ -46,6 +46,7 @@ from swapopt import internals
 _ADAM_STEP = internals.unhooked(torch.optim.Adam.step)
 _GRAD = operator.attrgetter("grad")
 _DTYPE = operator.attrgetter("dtype")
+_IS_COMPLEX = operator.attrgetter("is_complex")
 _FLAGS = ("amsgrad", "foreach", "fused", "capturable", "differentiable", "decoupled_weight_decay")
 
 
@@ -90,7 +91,7 @@ class DirectStep:
         dicts in ``chunk_state``; None where a direct step cannot stand for the inner one."""
         out = []
         for ps, group in zip(members, groups):
-            flags = tuple(group.get(k) for k in _FLAGS)
+            flags = tuple(map(group.get, _FLAGS))
             if group.get("differentiable"):
                 return None
             g = _Group(list(ps), [], [], [], [], flags)
@@ -115,16 +116,17 @@ class DirectStep:
     def run(self, optimizer: torch.optim.Optimizer, groups: list[dict]) -> bool:
         """Step the chunk with the groups' current values; False (nothing done) where the inner step must run
         instead: a flag changed since the lists were gathered, a grad is missing, or torch would raise."""
+        # C-level passes over the tensors (Note [fused kernel call] in swapopt.internals: no Python per tensor)
         for g, group in zip(self.groups, groups):
-            if tuple(group.get(k) for k in _FLAGS) != g.flags:
+            if tuple(map(group.get, _FLAGS)) != g.flags:
                 return False
-            if group["foreach"] and torch.is_tensor(group["lr"]) and not group["capturable"]:
+            if group["foreach"] and isinstance(group["lr"], torch.Tensor) and not group["capturable"]:
                 return False
-        dtypes = [set(map(_DTYPE, g.params)) for g in self.groups]  # one C-level pass a group
-        if any(d.is_complex for ds in dtypes for d in ds):
+        dtypes = [set(map(_DTYPE, g.params)) for g in self.groups]
+        if any(map(_IS_COMPLEX, chain.from_iterable(dtypes))):
             return False
         grads = [list(map(_GRAD, g.params)) for g in self.groups]
-        if any(any(map(operator.is_, gs, repeat(None))) for gs in grads):
+        if any(map(operator.is_, chain.from_iterable(grads), repeat(None))):
             return False
         grad_scale = getattr(optimizer, "grad_scale", None)
         found_inf = getattr(optimizer, "found_inf", None)
@@ -133,7 +135,8 @@ class DirectStep:
             lr = group["lr"]
             if (
                 g.one_kind and grad_scale is None and found_inf is None
-                and not any(map(torch.is_tensor, (lr, beta1, beta2)))
+                and not isinstance(lr, torch.Tensor) and not isinstance(beta1, torch.Tensor)
+                and not isinstance(beta2, torch.Tensor)
                 and len(ds) == 1  # a param's ``.data`` may have been given another dtype since
             ):
                 internals.adam_fused_call(

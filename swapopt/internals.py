@@ -206,14 +206,10 @@ def dtensor_over(local: torch.Tensor, ref: Any) -> Any:
 
 
 # torch._foreach_* are the documented-by-use multi-tensor kernels torch.optim itself relies on: one
-# launch per device and dtype instead of one per tensor, which keeps the failure path's snapshot of a
-# chunk's scalar states (step counts) to one copy.
-def foreach_snapshot(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    return torch._foreach_mul(tensors, 1)
-
-
-def foreach_restore(own: list[torch.Tensor], old: list[torch.Tensor]) -> None:
-    torch._foreach_copy_(own, old)
+# launch per device and dtype instead of one per tensor, which keeps the failure path's snapshot of the
+# step's scalar states (step counts) and their restore to one copy each.
+def foreach_copy(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    torch._foreach_copy_(dst, src)
 
 
 # Note [op counting]: the main job's start-up estimate counts the aten ops of one step on the meta device

@@ -42,9 +42,9 @@ once per plan, not once per step. A change of slot size or device makes new slot
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, NamedTuple, Sequence
+from typing import Any, Iterable, NamedTuple, Sequence
 
 import torch
 
@@ -59,9 +59,48 @@ def step_range(label: str) -> AbstractContextManager[Any]:
     """A profiler range named ``label`` (``swapopt.swap_in[k]``, ...) while a profiler records or the
     simulator labels its timeline with ranges; else a no-op that costs no host time (Note [profiler
     ranges] in swapopt.internals)."""
-    if internals.profiler_recording() or device.labels_ranges():
+    if ranges_wanted():
         return torch.profiler.record_function(label)
     return _NO_RANGE
+
+
+def ranges_wanted() -> bool:
+    """Whether step_range opens ranges now: a profiler records, or the simulator labels its timeline."""
+    return internals.profiler_recording() or device.labels_ranges()
+
+
+class _Updating:
+    """The block of SwapOptimizerOperate.updating, a class rather than a generator: it is entered once a chunk."""
+
+    __slots__ = ("op", "k", "stream")
+
+    def __init__(self, op: "SwapOptimizerOperate", k: int | None) -> None:
+        self.op, self.k, self.stream = op, k, None
+
+    def __enter__(self) -> None:
+        op, k = self.op, self.k
+        if op.overlap:
+            self.stream = op.mod.stream(op.update_stream)
+            self.stream.__enter__()
+        if k is not None:
+            try:
+                op.begin_update(k)
+            except BaseException:
+                self.__exit__(None, None, None, failed=True)
+                raise
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any, failed: bool = False) -> None:
+        op, k, stream = self.op, self.k, self.stream
+        try:
+            if exc_type is None and not failed:  # only a block that completes records its update event
+                if k is not None:
+                    op.end_update(k)
+                elif stream is not None:
+                    op._resident_event = op.update_stream.record_event()
+        finally:
+            if stream is not None:
+                self.stream = None
+                stream.__exit__(exc_type, exc, tb)
 
 
 class _StepEvents(NamedTuple):
@@ -130,6 +169,8 @@ class SwapOptimizerOperate:
         self._held_in: tuple[int, Copies] | None = None
         self.prefetched: Prefetched | None = None  # staging and swap-ins issued ahead of the next step
         self._staging_stream: Any = None  # where the running step's staging was allocated, if not on _compute
+        # whether this step's copies and updates are labelled with profiler ranges (step_range), asked once a step
+        self.ranges = False
 
     # ----- streams ---------------------------------------------------------------------------
     def bind(self, mod: Any) -> None:
@@ -228,6 +269,7 @@ class SwapOptimizerOperate:
         instead; any other prefetch is discarded first."""
         mod = self.mod
         self._compute = mod.current_stream()
+        self.ranges = ranges_wanted()
         if prefetched is not None and prefetched is self.prefetched and prefetched.n_chunks == n_chunks:
             self.prefetched = None
             self.nslots = prefetched.nslots
@@ -272,10 +314,14 @@ class SwapOptimizerOperate:
         if self._last_d2h is not None:
             h2d.wait_event(self._last_d2h)
 
-    def _copy_in(self, label: str, copies: Copies) -> Any:
+    def range(self, label: str, k: int) -> AbstractContextManager[Any]:
+        """The profiler range ``label[k]`` of this step's work on chunk k, where step_range would open one."""
+        return torch.profiler.record_function(f"{label}[{k}]") if self.ranges else _NO_RANGE
+
+    def _copy_in(self, label: str, k: int, copies: Copies) -> Any:
         """Queue host -> slot copies on the H2D stream; the event after them."""
         h2d = self.h2d_stream
-        with step_range(label):
+        with self.range(label, k):
             with self.mod.stream(h2d):
                 for dst, src in copies:
                     dst.copy_(src, non_blocking=True)
@@ -339,7 +385,8 @@ class SwapOptimizerOperate:
         """Copy host -> prefetched slot for chunk k on the H2D stream (fresh slots: nothing to wait for)."""
         pf = self.prefetched
         if pf is not None and copies:
-            pf.h2d_events[k] = self._copy_in(f"swapopt.prefetch[{k}]", copies)
+            self.ranges = ranges_wanted()
+            pf.h2d_events[k] = self._copy_in("swapopt.prefetch", k, copies)
 
     def discard_prefetch(self) -> bool:
         """Drop a prefetch the step will not use: the host waits for its copies (what follows may write
@@ -374,7 +421,7 @@ class SwapOptimizerOperate:
         free = self._slot_free[k % self.nslots]
         if free is not None:
             self.h2d_stream.wait_event(free)
-        self.h2d_events[k] = self._copy_in(f"swapopt.swap_in[{k}]", copies)
+        self.h2d_events[k] = self._copy_in("swapopt.swap_in", k, copies)
 
     def _release_held_in(self, upto: int) -> None:
         """Issue the held-back swap-in if it is of a chunk <= ``upto``."""
@@ -398,31 +445,16 @@ class SwapOptimizerOperate:
     def end_update(self, k: int) -> None:
         self.update_events[k] = self.update_stream.record_event()
 
-    @contextmanager
-    def updating(self, k: int | None) -> Iterator[None]:
+    def updating(self, k: int | None) -> _Updating:
         """The optimizer's update of chunk k (None: the resident params) is issued inside this block, on
         the stream the update runs on. Chunk k's update event is recorded only when the block completes."""
-        if not self.overlap:
-            if k is not None:
-                self.begin_update(k)
-            yield
-            if k is not None:
-                self.end_update(k)
-            return
-        with self.mod.stream(self.update_stream):
-            if k is not None:
-                self.begin_update(k)
-            yield
-            if k is None:
-                self._resident_event = self.update_stream.record_event()
-            else:
-                self.end_update(k)
+        return _Updating(self, k)
 
     def swap_out(self, k: int, copies: Copies, hold: Iterable[torch.Tensor] = ()) -> None:
         """Copy device -> host for chunk k on the D2H stream after its update. ``hold``: device tensors
         (states the optimizer created this step) kept alive until the slot is reused."""
         d2h = self.d2h_stream
-        with step_range(f"swapopt.swap_out[{k}]"):
+        with self.range("swapopt.swap_out", k):
             d2h.wait_event(self.update_events[k])
             with self.mod.stream(d2h):
                 for dst, src in copies:

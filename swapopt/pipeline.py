@@ -26,7 +26,7 @@ reached, which the failure path (swapopt.recovery, Note [failure semantics]) rea
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
 
 import torch
@@ -36,6 +36,7 @@ from swapopt import direct, flat, hoststate, inner, internals, recovery, subclas
 from swapopt.arena import itemsize
 from swapopt.hoststate import is_swapped_state, local, new_host_like, wrap_like
 from swapopt.context import StepContext
+from swapopt.cut_pieces import CutPieces
 from swapopt.direct import DirectStep
 from swapopt.flat import FlatStep
 from swapopt.layout import GRAD, HostLayout, Prepared, Region, same_objects
@@ -192,9 +193,13 @@ class ChunkInputs:
         # of its chunk through the inner step with dicts made afresh: on the H100 a plan that cuts a param at
         # every chunk boundary (the moe layout at 300 M params, 16 and 64 requested chunks) took 2.3-2.7x the host
         # CPU of the same plan stepped this way (bench/results/cuda-h100-2026-11-27-host.md).
+        # A chunk of cut pieces alone (the middle of a param larger than a chunk, or the ends of two) is all ``cut``
+        # positions and keeps no dict: its pieces' dicts are made from the plan (Note [cut pieces]).
         self.cut: list[int] = []
-        if not self.simple and not self.masters and bool(prep.runs[k]):
-            bound = {pos for pos, _, _, _ in self.bound}
+        bound = {pos for pos, _, _, _ in self.bound}
+        if not self.simple and not self.masters and len(bound) == len(pieces):
+            self.cut = list(range(len(pieces)))
+        elif not self.simple and not self.masters and bool(prep.runs[k]):
             whole = [pos for pos, pc in enumerate(pieces) if pos not in bound and prep.is_whole(pc)]
             plain = set(whole)
             if len(whole) >= 2 and len(whole) < len(pieces) and all(
@@ -212,6 +217,7 @@ class ChunkInputs:
         self.direct: DirectStep | None = None  # the kept dicts' lists for a direct step (Note [direct step])
         self.flat: FlatStep | None = None  # the kept dicts' flat tensors (Note [flat chunk update])
         self.direct_for: dict | None = None  # the kept dicts those lists were gathered from
+        self.cut_pieces: CutPieces | None = None  # the cut positions' entries (Note [cut pieces])
 
     def _group_copies(
         self, run: "StepRun", pieces: Any, positions: list[int]
@@ -287,15 +293,15 @@ class ChunkInputs:
 
 
 class ScalarRows:
-    """Rows of a snapshot stack (StepRun.snapshot_scalars), cut out when iterated: only a failing update reads
-    them back (Note [failure semantics]), so a step that succeeds makes no view per tensor."""
+    """Rows of a snapshot buffer (StepRun.snapshot_scalars), picked out when iterated: only a failing update reads
+    them back (Note [failure semantics])."""
 
-    def __init__(self, stacked: torch.Tensor, rows: list[int]) -> None:
-        self.stacked, self.rows = stacked, rows
+    def __init__(self, views: list[torch.Tensor], rows: list[int]) -> None:
+        self.views, self.rows = views, rows
 
     def __iter__(self) -> Iterator[torch.Tensor]:
-        cut = self.stacked.unbind(0)
-        return iter([cut[i] for i in self.rows])
+        views = self.views
+        return iter([views[i] for i in self.rows])
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -313,8 +319,13 @@ class ScalarWatch:
     owners: list[dict]  # the state dicts, each once
     lens: list[int]  # and their lengths
     bounds: list[tuple[int, int, int, int]]  # per chunk: its entries [a, b) and its owners [c, d)
-    stacks: list[list[torch.Tensor]]  # per (device, dtype, shape): the tensor states, stacked by a snapshot
+    stacks: list[list[torch.Tensor]]  # per (device, dtype, shape): the tensor states a snapshot copies
     rows: list[list[tuple[int, list[torch.Tensor], list[int]]]]  # per chunk: (stack, its states, their rows)
+    # per stack: the buffer a snapshot copies it into and the buffer's rows, views made once (at the first snapshot)
+    # and kept, the buffer's memory given only for a step when it is device memory (as the slots', Note [persistent
+    # slots] in swapopt.operate)
+    buffers: list[torch.Tensor] = field(default_factory=list)
+    views: list[list[torch.Tensor]] = field(default_factory=list)
 
     @classmethod
     def of(cls, prep: Prepared, state: Any) -> "ScalarWatch":
@@ -380,6 +391,7 @@ class StepRun:
         # chunk k needs once its inner update returned (see Note [failure semantics]).
         self.progress: dict[str, Any] = {"stage": ("done", -1)}
         self.snapshots: list[list] | None = None  # per chunk: (own scalars, their old values); see snapshot_scalars
+        self.snapshot_live: list[torch.Tensor] = []  # the snapshot buffers given device memory for this step
         self.stale: set[int] | None = None  # chunks whose non-swapped states changed since the last step (None: all)
         self.h2d = 0
         self.d2h = 0
@@ -414,12 +426,14 @@ class StepRun:
                 self.views[k] = None
             op.finish(prep.last_chunk, prep.resident)  # stage 5
             self.free_scratch()
+            self.free_snapshot()
         except BaseException as exc:  # Note [failure semantics]
             self.views.clear()
             self.typed.clear()
             self.unbind_all()
             self.free_scratch()
             recovery.recover(self)
+            self.free_snapshot(failed=True)
             self.pending.clear()
             self.progress.clear()
             self.layout.pre_hosts = {}
@@ -634,7 +648,7 @@ class StepRun:
         progress["stage"] = ("input", k)
         ci = self.inputs(k)
         targets = ci.targets
-        with op.updating(k), step_range(f"swapopt.update[{k}]"):
+        with op.updating(k), op.range("swapopt.update", k):
             if self.snapshots is None:  # on the stream of the step's first update, before any of them
                 self.snapshots = self.snapshot_scalars()
             kept = ci.take_states(views, self.stale is not None and k not in self.stale) if ci.keeps else None
@@ -648,12 +662,19 @@ class StepRun:
                         chunk_state[t] = pst
                 handed = self.handed(chunk_state) if ci.keeps else None
             cut_state: defaultdict | None = None
-            if ci.cut:
-                cut_state = defaultdict(dict)
-                for pos in ci.cut:
-                    t, pst = self.piece_input(chunk.pieces[pos], views[pos], targets[pos])
-                    if pst is not None:
-                        cut_state[t] = pst
+            cuts: CutPieces | None = None
+            if ci.cut:  # Note [cut pieces]
+                cuts = ci.cut_pieces
+                if cuts is None or cuts.views is not views:
+                    cuts = ci.cut_pieces = CutPieces.build(prep, k, ci.cut, targets, views, self.ctx.state)
+                cut_state = cuts.inputs(self.ctx.state) if cuts is not None else None
+                if cut_state is None:
+                    cuts = ci.cut_pieces = None  # tried again at the next step: the dicts may have changed
+                    cut_state = defaultdict(dict)
+                    for pos in ci.cut:
+                        t, pst = self.piece_input(chunk.pieces[pos], views[pos], targets[pos])
+                        if pst is not None:
+                            cut_state[t] = pst
             groups = ci.refresh(self.ctx)
             progress["scalars"] = self.snapshots[k]
             progress["stage"] = ("update", k)
@@ -661,27 +682,27 @@ class StepRun:
             flat = ci.flat if fast is not None else None
             # The flat and direct steps update the tensors of their lists in place and never touch a state dict.
             stepped_directly = (
-                flat is not None and flat.run(self.ctx.optimizer, groups, self.scratch)  # Note [flat chunk update]
+                not ci.kept_positions  # a chunk of cut pieces alone: nothing kept to step
+                or flat is not None and flat.run(self.ctx.optimizer, groups, self.scratch)  # Note [flat chunk update]
                 or fast is not None and fast.run(self.ctx.optimizer, groups)  # Note [direct step]
             )
             if not stepped_directly:
                 self.step_made(ci.order, ci.members, groups, chunk_state, bool(ci.masters))
+            cut_direct = False
             if cut_state is not None:  # the cut positions: a call of their own (Note [mixed chunks])
-                self.step_made(ci.cut_order, ci.cut_members, ci.cut_groups, cut_state, False)
+                cut_direct = (
+                    cuts is not None and self.direct_ok
+                    and cuts.run_direct(ci.cut_members, ci.cut_groups, cut_state, self.ctx.optimizer)
+                )  # fmt: skip
+                if not cut_direct:
+                    self.step_made(ci.cut_order, ci.cut_members, ci.cut_groups, cut_state, False)
             ci.unbind()  # the update is issued: the cached views let go of this step's grads
             progress["stage"] = ("output", k)
             every = chunk_state if cut_state is None else {**chunk_state, **cut_state}
             progress["chunk"] = (targets, every, views)
-            if handed is not None and (stepped_directly or self.stepped_in_place(chunk_state, handed)):
-                copies, hold, finals = list(views.runs), [], []
-                ci.keep_states(chunk_state, handed, views, self.direct_ok)
-                if cut_state is not None:  # the cut positions' own copies and the scalars of params they end
-                    c, h, f = self.pieces_output(k, targets, cut_state, views, ci.cut)
-                    copies += c
-                    hold += h
-                    finals += f
-            else:
-                copies, hold, finals = self.chunk_output(k, targets, every, views)
+            copies, hold, finals = self.outputs(
+                k, ci, views, chunk_state, every, handed, stepped_directly, cut_state, cuts if cut_direct else None
+            )
             # a run also moves padding: count the bytes of the states it carries
             merged = len(views.runs) if isinstance(views, ChunkViews) else 0
             nbytes = sum(src.numel() * src.element_size() for _, src in copies[merged:])
@@ -694,21 +715,68 @@ class StepRun:
         progress.pop("scalars", None)
         self.d2h += nbytes
 
+    def outputs(
+        self, k: int, ci: ChunkInputs, views: Any, chunk_state: dict, every: dict, handed: tuple | None,
+        stepped_directly: bool, cut_state: dict | None, cuts: CutPieces | None,
+    ) -> tuple[list, list, list]:  # fmt: skip
+        """Chunk k's swap-out copies, device tensors to hold and (param, scalars) of params it ends, after its update
+        returned: where the kept dicts were stepped as handed, the chunk's runs, the cut positions' own copies and the
+        scalars of params they end (from the plan where ``cuts`` stepped them directly, Note [cut pieces]); else every
+        piece's (``every``: the kept positions' dicts and the cut ones'), looked at one by one (chunk_output)."""
+        if handed is not None and (stepped_directly or self.stepped_in_place(chunk_state, handed)):
+            copies, hold, finals = list(views.runs), [], []
+            ci.keep_states(chunk_state, handed, views, self.direct_ok)
+            if cut_state is not None:
+                c, h, f = (
+                    cuts.outputs(cut_state) if cuts is not None
+                    else self.pieces_output(k, ci.targets, cut_state, views, ci.cut)
+                )  # fmt: skip
+                copies += c
+                hold += h
+                finals += f
+            return copies, hold, finals
+        return self.chunk_output(k, ci.targets, every, views)
+
     def snapshot_scalars(self) -> list[list]:
         """Per chunk: (own tensors, copies) of the scalar tensor states (step counts) that its update steps
         in place, so that a failing update can put them back (Note [failure semantics]). Those are the
         existing non-swapped tensor states of params stepped whole (a split param's pieces step clones).
-        Taken once per step, before the first update, as one stack per device, dtype and shape: one copy
-        launch per step rather than one per chunk, and no per-tensor work (the copies are the stack's rows,
-        cut out only by a failure, see ScalarRows). Also sets ``stale``, the chunks whose whole params'
+        Taken once per step, before the first update, into one buffer per device, dtype and shape (kept on the
+        plan's ScalarWatch with its rows, views made once): one multi-tensor copy per buffer and step, no tensor
+        made per state (a stack of 10,000 step counts made as many views and took 9 ms of host time on the H100,
+        bench/results/cuda-h100-2026-11-27-host.md). Also sets ``stale``, the chunks whose whole params'
         non-swapped states changed since the last step (all of them: None)."""
         prep = self.prep
         watch = prep.scalars
         self.stale = watch.changed() if watch is not None else None
         if self.stale is None or self.stale:
             watch = prep.scalars = ScalarWatch.of(prep, self.ctx.state)
-        stacked = [torch.stack(values) for values in watch.stacks]
-        return [[(own, ScalarRows(stacked[si], rows)) for si, own, rows in chunk] for chunk in watch.rows]
+        if len(watch.buffers) != len(watch.stacks):
+            watch.buffers, watch.views = [], []
+            for values in watch.stacks:
+                first = values[0]
+                buf = torch.empty((len(values), *first.shape), dtype=first.dtype, device=first.device)
+                watch.buffers.append(buf)
+                watch.views.append(list(buf.unbind(0)))
+                if not device.is_host_tensor(buf):
+                    self.snapshot_live.append(buf)
+        else:
+            for buf in watch.buffers:
+                if not device.is_host_tensor(buf):
+                    device.alloc_storage(buf, buf.nbytes)
+                    self.snapshot_live.append(buf)
+        for views, values in zip(watch.views, watch.stacks):
+            internals.foreach_copy(views, values)
+        return [[(own, ScalarRows(watch.views[si], rows)) for si, own, rows in chunk] for chunk in watch.rows]
+
+    def free_snapshot(self, failed: bool = False) -> None:
+        """The snapshot buffers' device memory goes back to the allocator of the stream they were given it on, where
+        the snapshot was copied; after a failure the recovery read them on the current stream too."""
+        live, self.snapshot_live = self.snapshot_live, []
+        for buf in live:
+            if failed:
+                device.record_stream(buf, self.op.mod.current_stream())
+            device.free_storage(buf)
 
     def step_made(self, order: list[int], members: list[list[torch.Tensor]], groups: list[dict], chunk_state: dict,
                   masters: bool) -> None:  # fmt: skip

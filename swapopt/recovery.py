@@ -57,7 +57,7 @@ def recover(run: Any) -> None:
         if entered:
             # the chunk's own scalar states (step counts) were stepped in place: back to their old values
             for own, old in scalars or ():
-                internals.foreach_restore(own, list(old))
+                internals.foreach_copy(own, list(old))
             names = sorted({pc.index for pc in prep.plan.chunks[failed].pieces})
             logger.error(
                 "swapopt: step failed inside the update of chunk {}; these params may be partly updated in "

@@ -242,3 +242,14 @@ def test_cli_runs_layouts_alone_and_renders_them(tmp_path, capsys, monkeypatch):
     assert main(["--render", str(js)]) == 0
     assert js.with_suffix(".md").read_text() == md
     assert main(["--sim", "h100", "--layouts", "gpt5", "--out", str(tmp_path)]) == 2
+
+
+def test_host_cpu_prints_one_line_per_run(capsys, clean_device_env):
+    """python -m swapopt.bench.host_cpu: one line with the plan's chunks and the step's host CPU, saying where it ran."""
+    from swapopt.bench import host_cpu
+
+    host_cpu.main(["fsdp256", "16", "--numel", "2e5", "--steps", "2", "--label", "code-a"])
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("fsdp256 t=16 chunks=") and "cpu_med=" in line and "code-a" in line
+    assert "(the simulator: thread CPU includes its own work)" in line
+    assert int(line.split("chunks=")[1].split()[0]) >= 1

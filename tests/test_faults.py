@@ -70,7 +70,7 @@ class _Injector:
 
             mp.setattr(opt, "_step_fn", once(opt._step_fn, counting))
         elif stage == "after_update":
-            mp.setattr(StepRun, "chunk_output", once(StepRun.chunk_output, lambda s, kk, *a: kk == k))
+            mp.setattr(StepRun, "outputs", once(StepRun.outputs, lambda s, kk, *a: kk == k))
         elif stage == "swap_out_interrupt":
             mp.setattr(SwapOptimizerOperate, "swap_out", once(SwapOptimizerOperate.swap_out, lambda s, kk, *a: kk == k))
         elif stage == "pinned_alloc":  # new states' pinned host memory, on the step that creates them

@@ -226,3 +226,63 @@ def test_mixed_chunks_under_the_pipeline_knobs(knobs):
             assert torch.equal(p.detach(), r.detach())
             for key, value in ref.state[r].items():
                 assert torch.equal(torch.as_tensor(opt.state[p][key]).cpu(), torch.as_tensor(value).cpu()), key
+
+
+@pytest.mark.parametrize("name", ["adamw_fused", "adam_amsgrad", "sgd_momentum"])
+def test_cut_pieces_dicts_come_from_the_plan(name, monkeypatch):
+    """Note [cut pieces]: once the states exist, a steady step makes the cut pieces' dicts from the plan's entries
+    (no piece_input), stepped directly where the optimizer has a direct step; a key added to a cut param's dict
+    sends its pieces back through piece_input for that step (the entries declined, or the plan made anew), the
+    next step makes them from the new entries, and the key is kept. Bitwise throughout."""
+    from swapopt import cut_pieces, pipeline
+
+    made: list[str] = []
+    real_input, real_inputs = pipeline.StepRun.piece_input, cut_pieces.CutPieces.inputs
+
+    def counting_input(self, *a, **k):
+        made.append("piece_input")
+        return real_input(self, *a, **k)
+
+    def counting_inputs(self, state):
+        out = real_inputs(self, state)
+        made.append("plan" if out is not None else "declined")
+        return out
+
+    monkeypatch.setattr(pipeline.StepRun, "piece_input", counting_input)
+    monkeypatch.setattr(cut_pieces.CutPieces, "inputs", counting_inputs)
+    with simulator.activate():
+        torch.manual_seed(0)
+        ps = _params()
+        rs = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+        opt, ref = SwapOptimizer(MAKERS[name](ps), chunk_mb=CHUNK_MB), MAKERS[name](rs)
+        cut_param = next(i for i, p in enumerate(ps) if p.numel() == 8192)
+        for step in range(6):
+            _grads(ps, rs)
+            if step == 4:  # a key of the user's own in the cut param's state
+                opt.state[ps[cut_param]]["note"] = 7
+                ref.state[rs[cut_param]]["note"] = 7
+            made.clear()
+            opt.step()
+            ref.step()
+            if step in (2, 3, 5):  # steady: every cut piece's dict made from the plan
+                assert made and set(made) == {"plan"}, (step, made)
+            if step == 4:  # the dict changed: read afresh (declined, or a new plan), never made from the old entries
+                pieces = sum(pc.index == cut_param for c in _plan(opt).chunks for pc in c.pieces)
+                assert made.count("declined") in (0, pieces) and made.count("piece_input") >= pieces, made
+        assert len(_mixed(opt)) >= 2
+        assert opt.state[ps[cut_param]]["note"] == 7
+        # the entries stand only for dicts of the very keys they were made for
+        params, groups, _ = opt._layout.active()
+        cuts = [ci.cut_pieces for ci in opt._layout.prepare(params, groups).inputs if ci is not None and ci.cut_pieces]
+        assert cuts
+        del opt.state[ps[cut_param]]["note"]
+        assert any(c.inputs(opt.state) is None for c in cuts)
+        opt.state[ps[cut_param]]["note"] = 7
+        assert all(c.inputs(opt.state) is not None for c in cuts)
+        for piece in (piece for c in cuts for piece in c.pieces):  # the grads those calls bound
+            piece.target.grad = None
+        opt.wait_for_swap_out()
+        for p, r in zip(ps, rs):
+            assert torch.equal(p.detach(), r.detach())
+            for key, value in ref.state[r].items():
+                assert torch.equal(torch.as_tensor(opt.state[p][key]).cpu(), torch.as_tensor(value).cpu()), key

@@ -145,3 +145,29 @@ def test_cuda_moves_host_tensors_and_modules(sim):
     assert sim.is_host(layer.weight)
     assert getattr(layer, name)() is layer and not sim.is_host(layer.weight)
     assert torch.equal(layer.weight, torch.eye(2))
+
+
+def test_deepcopy_of_a_device_tensor_is_device_memory(sim):
+    """copy.deepcopy of device tensors (a state_dict's, say) gives device tensors, as on CUDA: its memory is the
+    simulator's device memory, counted as such, and a copy into it from a device tensor is no host-to-device copy;
+    views of one storage stay views of one copy, values and grads come along."""
+    import copy
+
+    base = torch.arange(12.0).reshape(3, 4)
+    leaf = torch.randn(5, requires_grad=True)
+    leaf.grad = torch.ones(5)
+    views = {"row": base[1], "col": base[:, 2], "whole": base, "leaf": leaf}
+    before = sim.memory_allocated()
+    copied = copy.deepcopy(views)
+    assert sim.memory_allocated() > before
+    assert all(not sim.is_host(t) for t in copied.values()) and not sim.is_host(copied["leaf"].grad)
+    assert copied["row"].untyped_storage().data_ptr() == copied["whole"].untyped_storage().data_ptr()
+    assert copied["whole"].untyped_storage().data_ptr() != base.untyped_storage().data_ptr()
+    assert copied["col"].stride() == (4,) and copied["row"].storage_offset() == 4
+    assert torch.equal(copied["col"], base[:, 2]) and torch.equal(copied["leaf"].grad, leaf.grad)
+    assert copied["leaf"].requires_grad and copied["leaf"].is_leaf
+    copied["row"].add_(100)
+    assert torch.equal(copied["whole"][1], base[1] + 100) and torch.equal(base[1], torch.arange(4.0, 8.0))
+    sim.reset_timeline()
+    torch._foreach_copy_([copied["row"]], [base[0]])
+    assert [op.lane for op in sim.timeline] == ["compute"]

@@ -58,6 +58,33 @@ class SimTensor(torch.Tensor):
         host = self.detach().cpu()
         return (_rebuild_from_host, (host, self.dtype, str(self.device), self.requires_grad))
 
+    def __deepcopy__(self, memo: dict) -> torch.Tensor:
+        # torch's Tensor.__deepcopy__ clones the storage (UntypedStorage.clone: a new storage, then a copy_ into it);
+        # here that new storage would be one of the CPU tensor inside, which the simulator never saw allocated and so
+        # takes for pageable host memory, where a deepcopy of a device tensor is device memory (a copy into it would
+        # count as host to device, and its bytes as no device memory). So the new storage is allocated on the device
+        # and filled by the same copy_, once per storage of a deepcopy (views of one storage stay views of one
+        # copy), and the tensor rebuilt over it.
+        found = memo.get(id(self))
+        if found is not None:
+            return found
+        if not self.is_leaf:
+            raise RuntimeError("Only Tensors created explicitly by the user (graph leaves) support the deepcopy "
+                               "protocol at the moment")  # fmt: skip
+        storage = self._elem.untyped_storage()
+        key = (SimTensor, storage._cdata)
+        with torch.no_grad():
+            base = memo.get(key)
+            if base is None:
+                whole = self.detach().as_strided((storage.nbytes() // self.element_size(),), (1,), 0)
+                base = memo[key] = torch.empty_like(whole).copy_(whole)
+            new = base.as_strided(self.size(), self.stride(), self.storage_offset())
+        new.requires_grad_(self.requires_grad)
+        if self.grad is not None:
+            new.grad = self.grad.__deepcopy__(memo)
+        memo[id(self)] = new
+        return new
+
     # torch.compile and Module._apply (swap_tensors) see the wrapper through this protocol.
     def __tensor_flatten__(self) -> tuple[list[str], torch.device]:
         return ["_elem"], self.device
