@@ -64,33 +64,50 @@ def step_range(label: str) -> AbstractContextManager[Any]:
     return _NO_RANGE
 
 
+# Note [stream switches]
+# ~~~~~~~~~~~~~~~~~~~~~~
+# Each chunk's copies are issued on the H2D and D2H streams, two switches of the current stream and two back. A stream
+# context (``torch.cuda.stream(s)``) asks for the current stream and the device index of each on entry and exit: some
+# ten Python calls a switch on CUDA, paid per chunk. The engine knows which stream the host is on (``_here``: the
+# step's compute stream, the update stream inside ``updating`` with overlap, the caller's stream at a prefetch), so it
+# sets the copy stream and sets ``_here`` back, a call each (``_copies_on``).
+
+
 def ranges_wanted() -> bool:
     """Whether step_range opens ranges now: a profiler records, or the simulator labels its timeline."""
     return internals.profiler_recording() or device.labels_ranges()
 
 
 class _Updating:
-    """The block of SwapOptimizerOperate.updating, a class rather than a generator: it is entered once a chunk."""
+    """The block of SwapOptimizerOperate.updating, a class rather than a generator: it is entered once a chunk. Inside
+    it, the profiler range ``label`` where the step opens ranges (step_range)."""
 
-    __slots__ = ("op", "k", "stream")
+    __slots__ = ("op", "k", "label", "stream", "here", "range")
 
-    def __init__(self, op: "SwapOptimizerOperate", k: int | None) -> None:
-        self.op, self.k, self.stream = op, k, None
+    def __init__(self, op: "SwapOptimizerOperate", k: int | None, label: str) -> None:
+        self.op, self.k, self.label, self.stream, self.here, self.range = op, k, label, None, None, None
 
     def __enter__(self) -> None:
         op, k = self.op, self.k
         if op.overlap:
             self.stream = op.mod.stream(op.update_stream)
             self.stream.__enter__()
+            self.here, op._here = op._here, op.update_stream
         if k is not None:
             try:
                 op.begin_update(k)
             except BaseException:
                 self.__exit__(None, None, None, failed=True)
                 raise
+        if op.ranges:
+            self.range = torch.profiler.record_function(self.label if k is None else f"{self.label}[{k}]")
+            self.range.__enter__()
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any, failed: bool = False) -> None:
         op, k, stream = self.op, self.k, self.stream
+        if self.range is not None:
+            self.range.__exit__(exc_type, exc, tb)
+            self.range = None
         try:
             if exc_type is None and not failed:  # only a block that completes records its update event
                 if k is not None:
@@ -100,6 +117,7 @@ class _Updating:
         finally:
             if stream is not None:
                 self.stream = None
+                op._here = self.here
                 stream.__exit__(exc_type, exc, tb)
 
 
@@ -171,6 +189,10 @@ class SwapOptimizerOperate:
         self._staging_stream: Any = None  # where the running step's staging was allocated, if not on _compute
         # whether this step's copies and updates are labelled with profiler ranges (step_range), asked once a step
         self.ranges = False
+        # the stream the host issues on outside swapopt's copies (Note [stream switches]): the step's compute stream,
+        # the update stream inside updating() with overlap, the caller's at a prefetch
+        self._here: Any = None
+        self._step_upd: Any = None  # update_stream, as begin() found it
 
     # ----- streams ---------------------------------------------------------------------------
     def bind(self, mod: Any) -> None:
@@ -268,7 +290,9 @@ class SwapOptimizerOperate:
         (this engine's ``prefetched``, made for this step's plan): adopt its staging and its swap-ins
         instead; any other prefetch is discarded first."""
         mod = self.mod
-        self._compute = mod.current_stream()
+        self._compute = self._here = mod.current_stream()
+        self._step_upd = self.update_stream  # the stream of this step's updates, and the copy streams made now
+        _ = self.d2h_stream
         self.ranges = ranges_wanted()
         if prefetched is not None and prefetched is self.prefetched and prefetched.n_chunks == n_chunks:
             self.prefetched = None
@@ -314,18 +338,32 @@ class SwapOptimizerOperate:
         if self._last_d2h is not None:
             h2d.wait_event(self._last_d2h)
 
-    def range(self, label: str, k: int) -> AbstractContextManager[Any]:
-        """The profiler range ``label[k]`` of this step's work on chunk k, where step_range would open one."""
-        return torch.profiler.record_function(f"{label}[{k}]") if self.ranges else _NO_RANGE
-
     def _copy_in(self, label: str, k: int, copies: Copies) -> Any:
         """Queue host -> slot copies on the H2D stream; the event after them."""
-        h2d = self.h2d_stream
-        with self.range(label, k):
-            with self.mod.stream(h2d):
-                for dst, src in copies:
-                    dst.copy_(src, non_blocking=True)
-            return h2d.record_event()
+        h2d = self._h2d  # made by _order_h2d_after, at begin() or prefetch_begin()
+        if self.ranges:
+            with torch.profiler.record_function(f"{label}[{k}]"):
+                self._copies_on(h2d, copies)
+                return h2d.record_event()
+        self._copies_on(h2d, copies)
+        return h2d.record_event()
+
+    def _copies_on(self, stream: Any, copies: Copies) -> None:
+        """Queue ``copies`` on ``stream``, then make the stream the host was on (``_here``) current again (Note
+        [stream switches])."""
+        set_stream = self.mod.set_stream
+        set_stream(stream)
+        try:
+            for dst, src in copies:
+                dst.copy_(src, non_blocking=True)
+        finally:
+            set_stream(self._here)
+
+    def _copies_after(self, stream: Any, event: Any, copies: Copies) -> Any:
+        """``stream`` waits for ``event``, then ``copies`` are queued on it; the event after them."""
+        stream.wait_event(event)
+        self._copies_on(stream, copies)
+        return stream.record_event()
 
     def _allocate(self, nslots: int, slot_bytes: int, dev: torch.device) -> list[torch.Tensor]:
         """``nslots`` slots of ``slot_bytes`` with memory from the current stream: the slot tensors of the
@@ -370,7 +408,7 @@ class SwapOptimizerOperate:
         as begin() does. The slots stay allocated until the step adopts them or they are discarded."""
         if self.prefetched is not None:
             raise RuntimeError("a prefetch is already pending; adopt or discard it first")
-        stream = self.mod.current_stream()
+        stream = self._here = self.mod.current_stream()
         nslots = self.slots_for(n_chunks)
         pf = Prefetched(n_chunks, nslots, self._allocate(nslots, slot_bytes, dev), stream)
         self._order_h2d_after(stream.record_event())
@@ -420,7 +458,7 @@ class SwapOptimizerOperate:
     def _issue_in(self, k: int, copies: Copies) -> None:
         free = self._slot_free[k % self.nslots]
         if free is not None:
-            self.h2d_stream.wait_event(free)
+            self._h2d.wait_event(free)
         self.h2d_events[k] = self._copy_in("swapopt.swap_in", k, copies)
 
     def _release_held_in(self, upto: int) -> None:
@@ -437,29 +475,29 @@ class SwapOptimizerOperate:
         s = k % self.nslots
         ready = self.h2d_events[k] if self.h2d_events[k] is not None else self._slot_free[s]
         if ready is not None:
-            self.update_stream.wait_event(ready)
+            self._step_upd.wait_event(ready)
         if self._held[s]:
             self._held_bytes -= sum(t.nbytes for t in self._held[s])
             self._held[s] = []
 
     def end_update(self, k: int) -> None:
-        self.update_events[k] = self.update_stream.record_event()
+        self.update_events[k] = self._step_upd.record_event()
 
-    def updating(self, k: int | None) -> _Updating:
+    def updating(self, k: int | None, label: str = "swapopt.update") -> _Updating:
         """The optimizer's update of chunk k (None: the resident params) is issued inside this block, on
-        the stream the update runs on. Chunk k's update event is recorded only when the block completes."""
-        return _Updating(self, k)
+        the stream the update runs on, in the profiler range ``label`` (with ``[k]``) where the step opens
+        ranges. Chunk k's update event is recorded only when the block completes."""
+        return _Updating(self, k, label)
 
     def swap_out(self, k: int, copies: Copies, hold: Iterable[torch.Tensor] = ()) -> None:
         """Copy device -> host for chunk k on the D2H stream after its update. ``hold``: device tensors
         (states the optimizer created this step) kept alive until the slot is reused."""
-        d2h = self.d2h_stream
-        with self.range("swapopt.swap_out", k):
-            d2h.wait_event(self.update_events[k])
-            with self.mod.stream(d2h):
-                for dst, src in copies:
-                    dst.copy_(src, non_blocking=True)
-            event = d2h.record_event()
+        d2h = self._d2h  # made at begin()
+        if self.ranges:
+            with torch.profiler.record_function(f"swapopt.swap_out[{k}]"):
+                event = self._copies_after(d2h, self.update_events[k], copies)
+        else:
+            event = self._copies_after(d2h, self.update_events[k], copies)
         s = k % self.nslots
         self.d2h_events[k] = self._slot_free[s] = self._last_d2h = event
         self._release_held_in(k + self.nslots - 1)  # Note [swap-in after swap-out]

@@ -26,7 +26,7 @@ reached, which the failure path (swapopt.recovery, Note [failure semantics]) rea
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
 
 import torch
@@ -41,7 +41,6 @@ from swapopt.direct import DirectStep
 from swapopt.flat import FlatStep
 from swapopt.layout import GRAD, HostLayout, Prepared, Region, same_objects
 from swapopt.masters import MASTER
-from swapopt.operate import step_range
 
 
 def _split_plan(regions: list[Region], slot_bytes: int) -> list[tuple[torch.dtype, list[int], list[tuple[int, int]]]]:
@@ -293,15 +292,15 @@ class ChunkInputs:
 
 
 class ScalarRows:
-    """Rows of a snapshot buffer (StepRun.snapshot_scalars), picked out when iterated: only a failing update reads
-    them back (Note [failure semantics])."""
+    """Rows of a snapshot stack (StepRun.snapshot_scalars), cut out when iterated: only a failing update reads
+    them back (Note [failure semantics]), so a step that succeeds makes no view per tensor."""
 
-    def __init__(self, views: list[torch.Tensor], rows: list[int]) -> None:
-        self.views, self.rows = views, rows
+    def __init__(self, stacked: torch.Tensor, rows: list[int]) -> None:
+        self.stacked, self.rows = stacked, rows
 
     def __iter__(self) -> Iterator[torch.Tensor]:
-        views = self.views
-        return iter([views[i] for i in self.rows])
+        cut = self.stacked.unbind(0)
+        return iter([cut[i] for i in self.rows])
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -319,13 +318,8 @@ class ScalarWatch:
     owners: list[dict]  # the state dicts, each once
     lens: list[int]  # and their lengths
     bounds: list[tuple[int, int, int, int]]  # per chunk: its entries [a, b) and its owners [c, d)
-    stacks: list[list[torch.Tensor]]  # per (device, dtype, shape): the tensor states a snapshot copies
+    stacks: list[list[torch.Tensor]]  # per (device, dtype, shape): the tensor states, stacked by a snapshot
     rows: list[list[tuple[int, list[torch.Tensor], list[int]]]]  # per chunk: (stack, its states, their rows)
-    # per stack: the buffer a snapshot copies it into and the buffer's rows, views made once (at the first snapshot)
-    # and kept, the buffer's memory given only for a step when it is device memory (as the slots', Note [persistent
-    # slots] in swapopt.operate)
-    buffers: list[torch.Tensor] = field(default_factory=list)
-    views: list[list[torch.Tensor]] = field(default_factory=list)
 
     @classmethod
     def of(cls, prep: Prepared, state: Any) -> "ScalarWatch":
@@ -391,7 +385,6 @@ class StepRun:
         # chunk k needs once its inner update returned (see Note [failure semantics]).
         self.progress: dict[str, Any] = {"stage": ("done", -1)}
         self.snapshots: list[list] | None = None  # per chunk: (own scalars, their old values); see snapshot_scalars
-        self.snapshot_live: list[torch.Tensor] = []  # the snapshot buffers given device memory for this step
         self.stale: set[int] | None = None  # chunks whose non-swapped states changed since the last step (None: all)
         self.h2d = 0
         self.d2h = 0
@@ -426,14 +419,12 @@ class StepRun:
                 self.views[k] = None
             op.finish(prep.last_chunk, prep.resident)  # stage 5
             self.free_scratch()
-            self.free_snapshot()
         except BaseException as exc:  # Note [failure semantics]
             self.views.clear()
             self.typed.clear()
             self.unbind_all()
             self.free_scratch()
             recovery.recover(self)
-            self.free_snapshot(failed=True)
             self.pending.clear()
             self.progress.clear()
             self.layout.pre_hosts = {}
@@ -550,7 +541,7 @@ class StepRun:
     # ----- stage 2: resident update ---------------------------------------------------------------
     def update_resident(self) -> None:
         prep = self.prep
-        with self.op.updating(None), step_range("swapopt.update[resident]"):
+        with self.op.updating(None, "swapopt.update[resident]"):
             chunk_groups: dict[int, list[torch.Tensor]] = defaultdict(list)
             for i in prep.plan.resident:
                 chunk_groups[prep.groups[i]].append(prep.params[i])
@@ -648,7 +639,7 @@ class StepRun:
         progress["stage"] = ("input", k)
         ci = self.inputs(k)
         targets = ci.targets
-        with op.updating(k), op.range("swapopt.update", k):
+        with op.updating(k):
             if self.snapshots is None:  # on the stream of the step's first update, before any of them
                 self.snapshots = self.snapshot_scalars()
             kept = ci.take_states(views, self.stale is not None and k not in self.stale) if ci.keeps else None
@@ -741,42 +732,17 @@ class StepRun:
         """Per chunk: (own tensors, copies) of the scalar tensor states (step counts) that its update steps
         in place, so that a failing update can put them back (Note [failure semantics]). Those are the
         existing non-swapped tensor states of params stepped whole (a split param's pieces step clones).
-        Taken once per step, before the first update, into one buffer per device, dtype and shape (kept on the
-        plan's ScalarWatch with its rows, views made once): one multi-tensor copy per buffer and step, no tensor
-        made per state (a stack of 10,000 step counts made as many views and took 9 ms of host time on the H100,
-        bench/results/cuda-h100-2026-11-27-host.md). Also sets ``stale``, the chunks whose whole params'
+        Taken once per step, before the first update, as one stack per device, dtype and shape: one copy
+        launch per step rather than one per chunk, and no per-tensor work (the copies are the stack's rows,
+        cut out only by a failure, see ScalarRows). Also sets ``stale``, the chunks whose whole params'
         non-swapped states changed since the last step (all of them: None)."""
         prep = self.prep
         watch = prep.scalars
         self.stale = watch.changed() if watch is not None else None
         if self.stale is None or self.stale:
             watch = prep.scalars = ScalarWatch.of(prep, self.ctx.state)
-        if len(watch.buffers) != len(watch.stacks):
-            watch.buffers, watch.views = [], []
-            for values in watch.stacks:
-                first = values[0]
-                buf = torch.empty((len(values), *first.shape), dtype=first.dtype, device=first.device)
-                watch.buffers.append(buf)
-                watch.views.append(list(buf.unbind(0)))
-                if not device.is_host_tensor(buf):
-                    self.snapshot_live.append(buf)
-        else:
-            for buf in watch.buffers:
-                if not device.is_host_tensor(buf):
-                    device.alloc_storage(buf, buf.nbytes)
-                    self.snapshot_live.append(buf)
-        for views, values in zip(watch.views, watch.stacks):
-            internals.foreach_copy(views, values)
-        return [[(own, ScalarRows(watch.views[si], rows)) for si, own, rows in chunk] for chunk in watch.rows]
-
-    def free_snapshot(self, failed: bool = False) -> None:
-        """The snapshot buffers' device memory goes back to the allocator of the stream they were given it on, where
-        the snapshot was copied; after a failure the recovery read them on the current stream too."""
-        live, self.snapshot_live = self.snapshot_live, []
-        for buf in live:
-            if failed:
-                device.record_stream(buf, self.op.mod.current_stream())
-            device.free_storage(buf)
+        stacked = [torch.stack(values) for values in watch.stacks]
+        return [[(own, ScalarRows(stacked[si], rows)) for si, own, rows in chunk] for chunk in watch.rows]
 
     def step_made(self, order: list[int], members: list[list[torch.Tensor]], groups: list[dict], chunk_state: dict,
                   masters: bool) -> None:  # fmt: skip

@@ -491,3 +491,37 @@ def test_per_param_reaches_the_wrapper_from_config_and_class_form(sim):
     opt = swap_class(_Momentum)(ps, lr=0.1, per_param=True, swap_optimizer_times=2)
     assert opt.per_param and isinstance(opt.optimizer, _Momentum)
     _step_all(opt, ps)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_copy_that_raises_leaves_the_host_on_its_stream(overlap):
+    """Note [stream switches]: the engine issues each chunk's copies by setting the copy stream and setting the
+    stream it was on back; a copy that raises must not leave the caller on the copy stream, in the step's block
+    or inside the update's (where, with overlap, the update stream is the one to go back to)."""
+
+    class Refuses:
+        def copy_(self, *args, **kwargs):
+            raise RuntimeError("refused")
+
+    with simulator.activate() as sim:
+        p = torch.nn.Parameter(torch.randn(64))
+        opt = SwapOptimizer(torch.optim.AdamW([p], fused=True), overlap_forward=overlap)
+        if overlap:
+            opt.attach(torch.nn.ParameterList([p]))
+        p.grad = torch.randn(64)
+        opt.step()
+        opt.wait_for_update()
+        op = opt.operate
+        caller = sim.current_stream()
+        op.begin(1, 256, device.torch_device())
+        with pytest.raises(RuntimeError, match="refused"):
+            op._copies_on(op.d2h_stream, [(Refuses(), None)])
+        assert sim.current_stream() == caller
+        with op.updating(None):
+            inside = sim.current_stream()
+            assert (inside == op.update_stream) and (overlap or inside == caller)
+            with pytest.raises(RuntimeError, match="refused"):
+                op._copies_on(op.h2d_stream, [(Refuses(), None)])
+            assert sim.current_stream() == inside
+        assert sim.current_stream() == caller
+        op.release_staging()
