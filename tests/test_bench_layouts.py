@@ -253,3 +253,7 @@ def test_host_cpu_prints_one_line_per_run(capsys, clean_device_env):
     assert line.startswith("fsdp256 t=16 chunks=") and "cpu_med=" in line and "code-a" in line
     assert "(the simulator: thread CPU includes its own work)" in line
     assert int(line.split("chunks=")[1].split()[0]) >= 1
+    for bad in (["fsdp256", "0"], ["fsdp256", "16", "--steps", "x"], ["nope", "16"]):
+        with pytest.raises(SystemExit):
+            host_cpu.main(bad)
+    assert "must be at least 1, got 0" in capsys.readouterr().err

@@ -44,17 +44,25 @@ def measure(layout: str, times: int, numel: int, steps: int, warmup: int = 5) ->
             "wall_med_ms": statistics.median(wall) * 1e3}  # fmt: skip
 
 
+def _count(text: str) -> int:
+    value = int(float(text))
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m swapopt.bench.host_cpu", description=__doc__.split("\n\n")[0])
     ap.add_argument("layout", choices=sorted(LAYOUTS))
-    ap.add_argument("times", type=int, help="swap_optimizer_times")
-    ap.add_argument("--numel", type=float, default=1e8, help="params the layout is scaled to (default 1e8)")
-    ap.add_argument("--steps", type=int, default=30, help="steps measured after 5 of warm-up (default 30)")
+    ap.add_argument("times", type=_count, help="swap_optimizer_times")
+    ap.add_argument("--numel", type=_count, default=100_000_000, help="params the layout is scaled to "
+                    "(default 1e8)")
+    ap.add_argument("--steps", type=_count, default=30, help="steps measured after 5 of warm-up (default 30)")
     ap.add_argument("--label", default="", help="a word printed with the line (the code's name, say)")
     args = ap.parse_args(argv)
     simulated = device.get_device() == "cpu"
     with device.sim.activate("h100", sanitize=False) if simulated else contextlib.nullcontext():
-        got = measure(args.layout, args.times, int(args.numel), args.steps)
+        got = measure(args.layout, args.times, args.numel, args.steps)
     where = "the simulator: thread CPU includes its own work" if simulated else device.get_device()
     print(f"{args.layout} t={args.times} chunks={got['chunks']} cpu_med={got['cpu_med_ms']:.2f} "
           f"cpu_min={got['cpu_min_ms']:.2f} wall_med={got['wall_med_ms']:.2f} ms {args.label} ({where})", flush=True)  # fmt: skip
