@@ -41,11 +41,11 @@ from swapopt.masters import MASTER
 class _Piece:
     """One cut piece: where it sits in the chunk, its param, and the entries its dict is made of."""
 
-    __slots__ = ("pos", "index", "param", "target", "start", "stop", "keys", "entries", "last", "copies")
+    __slots__ = ("param", "target", "start", "stop", "keys", "entries", "last", "copies")
 
-    def __init__(self, pos: int, index: int, param: torch.Tensor, target: torch.Tensor, piece: Any,
+    def __init__(self, param: torch.Tensor, target: torch.Tensor, piece: Any,
                  entries: list[tuple[str, torch.Tensor | None]], last: bool, copies: list) -> None:  # fmt: skip
-        self.pos, self.index, self.param, self.target = pos, index, param, target
+        self.param, self.target = param, target
         self.start, self.stop = piece.start, piece.stop
         self.entries = entries  # (key, the slot view the optimizer sees, or None: the param's value, cloned)
         self.keys = frozenset(key for key, _ in entries)
@@ -60,7 +60,7 @@ class CutPieces:
         self.pieces = pieces
         self.views = views
         self.direct: DirectStep | None = None  # the lists of a direct step, gathered at the first step
-        self.direct_at: list[tuple[int, int]] = []  # per (group, member): the piece whose step count it is
+        self.direct_at: list[list[int]] = []  # per group of the direct step, per member: the piece whose step count
         self.copies = [c for piece in pieces for c in piece.copies]
 
     @classmethod
@@ -90,7 +90,7 @@ class CutPieces:
                 else:
                     entries.append((key, None))
             last = piece.stop == local(p).numel()
-            pieces.append(_Piece(pos, piece.index, p, targets[pos], piece, entries, last, copies))
+            pieces.append(_Piece(p, targets[pos], piece, entries, last, copies))
         return cls(pieces, views)
 
     def inputs(self, state: Any) -> defaultdict | None:
@@ -125,7 +125,7 @@ class CutPieces:
                 return False
             at = {id(piece.target): i for i, piece in enumerate(self.pieces)}
             self.direct_at = [[at[id(t)] for t in ps] for ps in members]
-        steps = [made[piece.target]["step"] for piece in self.pieces]
+        steps = [pst["step"] for pst in made.values()]  # made by inputs(): one dict per piece, in order
         for g, at in zip(self.direct.groups, self.direct_at):
             g.steps = [steps[i] for i in at]
         try:
@@ -138,8 +138,7 @@ class CutPieces:
         """After a direct step over ``made``: the swap-out copies of the cut pieces, nothing to hold, and (param,
         scalars) of each param whose last piece this is (StepRun.pieces_output, known from the plan)."""
         finals = []
-        for piece in self.pieces:
+        for piece, pst in zip(self.pieces, made.values()):  # made by inputs(): one dict per piece, in order
             if piece.last:
-                pst = made[piece.target]
                 finals.append((piece.param, {key: pst[key] for key, view in piece.entries if view is None}))
         return self.copies, [], finals

@@ -291,8 +291,10 @@ class SwapOptimizerOperate:
         instead; any other prefetch is discarded first."""
         mod = self.mod
         self._compute = self._here = mod.current_stream()
-        self._step_upd = self.update_stream  # the stream of this step's updates, and the copy streams made now
-        _ = self.d2h_stream
+        # the stream of this step's updates, and the copy streams made now (the H2D one by _order_h2d_after below):
+        # the per-chunk calls read them as attributes
+        self._step_upd = self.update_stream
+        self.d2h_stream  # noqa: B018 - made here, read as self._d2h
         self.ranges = ranges_wanted()
         if prefetched is not None and prefetched is self.prefetched and prefetched.n_chunks == n_chunks:
             self.prefetched = None
@@ -338,15 +340,20 @@ class SwapOptimizerOperate:
         if self._last_d2h is not None:
             h2d.wait_event(self._last_d2h)
 
-    def _copy_in(self, label: str, k: int, copies: Copies) -> Any:
-        """Queue host -> slot copies on the H2D stream; the event after them."""
-        h2d = self._h2d  # made by _order_h2d_after, at begin() or prefetch_begin()
-        if self.ranges:
-            with torch.profiler.record_function(f"{label}[{k}]"):
-                self._copies_on(h2d, copies)
-                return h2d.record_event()
-        self._copies_on(h2d, copies)
-        return h2d.record_event()
+    def _issue_copies(self, stream: Any, after: Any, copies: Copies, label: str, k: int) -> Any:
+        """``stream`` waits for ``after`` (if any), then ``copies`` are queued on it, in the profiler range
+        ``label[k]`` where the step opens ranges; the event after them."""
+        span = torch.profiler.record_function(f"{label}[{k}]") if self.ranges else None
+        if span is not None:
+            span.__enter__()
+        try:
+            if after is not None:
+                stream.wait_event(after)
+            self._copies_on(stream, copies)
+            return stream.record_event()
+        finally:
+            if span is not None:
+                span.__exit__(None, None, None)
 
     def _copies_on(self, stream: Any, copies: Copies) -> None:
         """Queue ``copies`` on ``stream``, then make the stream the host was on (``_here``) current again (Note
@@ -358,12 +365,6 @@ class SwapOptimizerOperate:
                 dst.copy_(src, non_blocking=True)
         finally:
             set_stream(self._here)
-
-    def _copies_after(self, stream: Any, event: Any, copies: Copies) -> Any:
-        """``stream`` waits for ``event``, then ``copies`` are queued on it; the event after them."""
-        stream.wait_event(event)
-        self._copies_on(stream, copies)
-        return stream.record_event()
 
     def _allocate(self, nslots: int, slot_bytes: int, dev: torch.device) -> list[torch.Tensor]:
         """``nslots`` slots of ``slot_bytes`` with memory from the current stream: the slot tensors of the
@@ -409,6 +410,7 @@ class SwapOptimizerOperate:
         if self.prefetched is not None:
             raise RuntimeError("a prefetch is already pending; adopt or discard it first")
         stream = self._here = self.mod.current_stream()
+        self.ranges = ranges_wanted()
         nslots = self.slots_for(n_chunks)
         pf = Prefetched(n_chunks, nslots, self._allocate(nslots, slot_bytes, dev), stream)
         self._order_h2d_after(stream.record_event())
@@ -422,9 +424,8 @@ class SwapOptimizerOperate:
     def prefetch_in(self, k: int, copies: Copies) -> None:
         """Copy host -> prefetched slot for chunk k on the H2D stream (fresh slots: nothing to wait for)."""
         pf = self.prefetched
-        if pf is not None and copies:
-            self.ranges = ranges_wanted()
-            pf.h2d_events[k] = self._copy_in("swapopt.prefetch", k, copies)
+        if pf is not None and copies:  # the H2D stream was made by prefetch_begin
+            pf.h2d_events[k] = self._issue_copies(self._h2d, None, copies, "swapopt.prefetch", k)
 
     def discard_prefetch(self) -> bool:
         """Drop a prefetch the step will not use: the host waits for its copies (what follows may write
@@ -456,10 +457,8 @@ class SwapOptimizerOperate:
         self._issue_in(k, copies)
 
     def _issue_in(self, k: int, copies: Copies) -> None:
-        free = self._slot_free[k % self.nslots]
-        if free is not None:
-            self._h2d.wait_event(free)
-        self.h2d_events[k] = self._copy_in("swapopt.swap_in", k, copies)
+        free = self._slot_free[k % self.nslots]  # the H2D stream was made by begin()
+        self.h2d_events[k] = self._issue_copies(self._h2d, free, copies, "swapopt.swap_in", k)
 
     def _release_held_in(self, upto: int) -> None:
         """Issue the held-back swap-in if it is of a chunk <= ``upto``."""
@@ -492,12 +491,7 @@ class SwapOptimizerOperate:
     def swap_out(self, k: int, copies: Copies, hold: Iterable[torch.Tensor] = ()) -> None:
         """Copy device -> host for chunk k on the D2H stream after its update. ``hold``: device tensors
         (states the optimizer created this step) kept alive until the slot is reused."""
-        d2h = self._d2h  # made at begin()
-        if self.ranges:
-            with torch.profiler.record_function(f"swapopt.swap_out[{k}]"):
-                event = self._copies_after(d2h, self.update_events[k], copies)
-        else:
-            event = self._copies_after(d2h, self.update_events[k], copies)
+        event = self._issue_copies(self._d2h, self.update_events[k], copies, "swapopt.swap_out", k)  # D2H made by begin()
         s = k % self.nslots
         self.d2h_events[k] = self._slot_free[s] = self._last_d2h = event
         self._release_held_in(k + self.nslots - 1)  # Note [swap-in after swap-out]

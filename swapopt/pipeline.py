@@ -635,7 +635,6 @@ class StepRun:
         """Run the inner optimizer on chunk k's pieces, then queue their swap-out. ``progress`` tracks
         the stage reached for the failure path (Note [failure semantics])."""
         op, prep, progress, views = self.op, self.prep, self.progress, self.views[k]
-        chunk = prep.plan.chunks[k]
         progress["stage"] = ("input", k)
         ci = self.inputs(k)
         targets = ci.targets
@@ -646,11 +645,7 @@ class StepRun:
             if kept is not None:  # the dicts of the last step stand for the states as they are
                 chunk_state, handed = kept
             else:
-                chunk_state = defaultdict(dict)
-                for pos in ci.kept_positions:
-                    t, pst = self.piece_input(chunk.pieces[pos], views[pos], targets[pos])
-                    if pst is not None:
-                        chunk_state[t] = pst
+                chunk_state = self.made_states(k, ci.kept_positions, targets)
                 handed = self.handed(chunk_state) if ci.keeps else None
             cut_state: defaultdict | None = None
             cuts: CutPieces | None = None
@@ -661,11 +656,7 @@ class StepRun:
                 cut_state = cuts.inputs(self.ctx.state) if cuts is not None else None
                 if cut_state is None:
                     cuts = ci.cut_pieces = None  # tried again at the next step: the dicts may have changed
-                    cut_state = defaultdict(dict)
-                    for pos in ci.cut:
-                        t, pst = self.piece_input(chunk.pieces[pos], views[pos], targets[pos])
-                        if pst is not None:
-                            cut_state[t] = pst
+                    cut_state = self.made_states(k, ci.cut, targets)
             groups = ci.refresh(self.ctx)
             progress["scalars"] = self.snapshots[k]
             progress["stage"] = ("update", k)
@@ -727,6 +718,17 @@ class StepRun:
                 finals += f
             return copies, hold, finals
         return self.chunk_output(k, ci.targets, every, views)
+
+    def made_states(self, k: int, positions: list[int], targets: list[torch.Tensor]) -> defaultdict:
+        """The state dicts of chunk k's pieces at ``positions``, made this step (piece_input), keyed by the tensors
+        stepped."""
+        pieces, views = self.prep.plan.chunks[k].pieces, self.views[k]
+        made: defaultdict = defaultdict(dict)
+        for pos in positions:
+            t, pst = self.piece_input(pieces[pos], views[pos], targets[pos])
+            if pst is not None:
+                made[t] = pst
+        return made
 
     def snapshot_scalars(self) -> list[list]:
         """Per chunk: (own tensors, copies) of the scalar tensor states (step counts) that its update steps

@@ -4,8 +4,8 @@ The layout bench (``swapopt-bench --layouts``) reports one counted step per row,
 moves by up to 2x from process to process (bench/results/cuda-h100-2026-11-27-host-2.md). Comparing two codes
 takes runs of each, alternated, each of many steps. This prints one line per run: the layout, the chunks of its plan,
 the median and least thread CPU of ``step()`` (the host work of issuing the step: its Python and its launches) over
-``--steps`` uncounted steps, and the median wall time of a step synced at both ends. Run it once per code (with
-``PYTHONPATH`` naming each checkout), in turns. On the simulator the thread CPU also holds the simulator's own work,
+``--steps`` uncounted steps, and the median step time by device events, as the bench times its rows. Run it once per
+code (with ``PYTHONPATH`` naming each checkout), in turns. On the simulator the thread CPU also holds the simulator's own work,
 so there it compares nothing; the layout bench's Python ms is the figure to use there.
 """
 
@@ -14,34 +14,29 @@ from __future__ import annotations
 import argparse
 import contextlib
 import statistics
-import time
 
 import device
+from swapopt.bench.counts import host_cpu_seconds
 from swapopt.bench.layouts import LAYOUTS, get_layout, make_layout_params, scale_to_fit
+from swapopt.bench.measure import time_steps
 from swapopt.bench.strategies import AdamWSpec, make_strategy
 
 
 def measure(layout: str, times: int, numel: int, steps: int, warmup: int = 5) -> dict[str, float]:
-    """Thread CPU of step() and synced wall time of a step of swapopt over ``layout`` scaled to ``numel`` params."""
+    """Thread CPU of step() (counts.host_cpu_seconds) and step time by device events (measure.time_steps, as the
+    bench times a row) of swapopt over ``layout`` scaled to ``numel`` params, each over ``steps`` steps."""
     params = make_layout_params(scale_to_fit(get_layout(layout), numel))
     strategy = make_strategy("swapopt", params, AdamWSpec(impl="fused"), times=times, slots=3)
-    for _ in range(warmup):
-        strategy.step()
-    strategy.drain()
+    timing = time_steps(strategy, warmup=warmup, repeats=steps)
     mod = device.get_torch_device_module()
-    cpu, wall = [], []
+    cpu = []
     for _ in range(steps):
         mod.synchronize()
-        w0, c0 = time.perf_counter(), time.thread_time()
-        strategy.step()
-        c1 = time.thread_time()
+        cpu.append(host_cpu_seconds(strategy.step))
         strategy.drain()
-        mod.synchronize()
-        wall.append(time.perf_counter() - w0)
-        cpu.append(c1 - c0)
     plan = strategy.opt._layout.prepared.plan
     return {"chunks": len(plan.chunks), "cpu_med_ms": statistics.median(cpu) * 1e3, "cpu_min_ms": min(cpu) * 1e3,
-            "wall_med_ms": statistics.median(wall) * 1e3}  # fmt: skip
+            "step_med_ms": timing.step_ms}
 
 
 def _count(text: str) -> int:
@@ -65,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
         got = measure(args.layout, args.times, args.numel, args.steps)
     where = "the simulator: thread CPU includes its own work" if simulated else device.get_device()
     print(f"{args.layout} t={args.times} chunks={got['chunks']} cpu_med={got['cpu_med_ms']:.2f} "
-          f"cpu_min={got['cpu_min_ms']:.2f} wall_med={got['wall_med_ms']:.2f} ms {args.label} ({where})", flush=True)  # fmt: skip
+          f"cpu_min={got['cpu_min_ms']:.2f} step_med={got['step_med_ms']:.2f} ms {args.label} ({where})", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":
