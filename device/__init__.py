@@ -428,6 +428,19 @@ def alloc_storage(t: torch.Tensor, nbytes: int) -> None:
         _memory_of(t).untyped_storage().resize_(nbytes)
 
 
+def graph_api(mod: Any) -> tuple[Any, Any] | None:
+    """(graph class, capture context manager) of a device module: torch.cuda's CUDAGraph and graph, torch_npu's
+    NPUGraph and graph (torch_npu/npu/graphs.py), the simulator's; None where it has none (torch.cpu)."""
+    capture = getattr(mod, "graph", None)
+    if mod is torch.cpu or not callable(capture):
+        return None
+    for name in ("CUDAGraph", "NPUGraph"):
+        cls = getattr(mod, name, None)
+        if cls is not None:
+            return cls, capture
+    return None
+
+
 def labels_ranges() -> bool:
     """Whether the device labels its work with the profiler ranges open around it (the simulator's
     timeline does, outside ``untagged()``), so that a range must be opened even with no profiler running."""

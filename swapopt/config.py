@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, PlainValidator, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PlainValidator, field_validator, model_validator
 
 from swapopt.resident_auto import parse_resident_mb
 
@@ -62,6 +62,25 @@ class SwapSettings(BaseModel):
     the mixed-precision recipe of Note [master weights] (swapopt.masters), with 12 bytes a param off the
     device instead of 8. fp32 params are their own masters."""
 
+    step_graph: bool = False
+    """Capture a swapped step once as a device graph (CUDA graphs, torch_npu's NPU graphs) and replay it at every
+    later step whose plan, params, grads, states and hyperparameters are where they were: the step's host cost
+    becomes one launch instead of about a dozen calls a chunk. The graph keeps the staging it was captured with
+    ((slots + 1) x chunk at most) between steps. Adam-family optimizers need ``fused=True`` or ``capturable=True``
+    (step counts on the device); a step that cannot be captured runs as usual, with a warning (Note [graphed
+    step] in swapopt.graphed). Not with ``overlap_forward`` or ``prefetch``, whose work is spread over the
+    forward."""
+
+    @model_validator(mode="after")
+    def _graph_is_one_step(self) -> "SwapSettings":
+        if self.step_graph and (self.overlap_forward or self.prefetch):
+            other = "overlap_forward" if self.overlap_forward else "prefetch"
+            raise ValueError(
+                f"step_graph cannot be combined with {other}: a graph replays one step() call, while {other} "
+                "spreads the step's work over the forward"
+            )
+        return self
+
     @field_validator("swap_optimizer_times", "slots", mode="before")
     @classmethod
     def _a_count_not_a_switch(cls, value: object, info: Any) -> object:
@@ -88,5 +107,8 @@ def settings_from(knobs: dict[str, Any]) -> SwapSettings:
     try:
         return SwapSettings(**knobs)
     except ValueError as err:  # pydantic's ValidationError: one line per bad knob
-        lines = [f"{'.'.join(map(str, e['loc']))}: {e['msg'].removeprefix('Value error, ')}" for e in err.errors()]
+        lines = [
+            (f"{'.'.join(map(str, e['loc']))}: " if e["loc"] else "") + e["msg"].removeprefix("Value error, ")
+            for e in err.errors()
+        ]
         raise ValueError("; ".join(lines)) from None

@@ -42,9 +42,10 @@ once per plan, not once per step. A change of slot size or device makes new slot
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Iterable, NamedTuple, Sequence
+from typing import Any, NamedTuple
 
 import torch
 
@@ -82,9 +83,9 @@ class _Updating:
     """The block of SwapOptimizerOperate.updating, a class rather than a generator: it is entered once a chunk. Inside
     it, the profiler range ``label`` where the step opens ranges (step_range)."""
 
-    __slots__ = ("op", "k", "label", "stream", "here", "range")
+    __slots__ = ("here", "k", "label", "op", "range", "stream")
 
-    def __init__(self, op: "SwapOptimizerOperate", k: int | None, label: str) -> None:
+    def __init__(self, op: SwapOptimizerOperate, k: int | None, label: str) -> None:
         self.op, self.k, self.label, self.stream, self.here, self.range = op, k, label, None, None, None
 
     def __enter__(self) -> None:
@@ -193,6 +194,9 @@ class SwapOptimizerOperate:
         # the update stream inside updating() with overlap, the caller's at a prefetch
         self._here: Any = None
         self._step_upd: Any = None  # update_stream, as begin() found it
+        # the running step is being captured as a graph (Note [graphed step] in swapopt.graphed): its events order
+        # work inside the graph only, and are made without timing (a replay is timed by events around it)
+        self.capturing = False
 
     # ----- streams ---------------------------------------------------------------------------
     def bind(self, mod: Any) -> None:
@@ -318,7 +322,7 @@ class SwapOptimizerOperate:
                 self.h2d_events[k] = event
         self.update_events = [None] * n_chunks
         self.d2h_events = [None] * n_chunks
-        start = self._pending_start = mod.Event(enable_timing=True)
+        start = self._pending_start = mod.Event(enable_timing=not self.capturing)
         start.record(self._compute)
         self._resident_event = None
         if self.overlap:  # the update reads grads the backward wrote and the staging allocated above
@@ -511,7 +515,7 @@ class SwapOptimizerOperate:
         if self._held_in is not None:  # never with the pipeline's order: every swap-out before it was issued
             self._release_held_in(self._held_in[0])
         d2h = self.d2h_stream
-        end = self.mod.Event(enable_timing=True)
+        end = self.mod.Event(enable_timing=not self.capturing)
         end.record(d2h)
         # only a finished step's events are paired: a failed step never pairs with an older end
         self._start, self._end, self._pending_start = self._pending_start, end, None
@@ -543,6 +547,39 @@ class SwapOptimizerOperate:
             if self._resident_event is not None:
                 for p in resident:
                     self.pending[p] = self._update[p] = self._resident_event
+
+    def abandon_capture(self) -> None:
+        """A step being captured failed: nothing of it ran on the device, so nothing is waited for. The slot
+        tensors got their memory inside the capture: new ones are made at the next step (Note [graphed step])."""
+        self._held_in = None
+        self._staging, self._staging_stream = [], None
+        self._slot_store, self._slot_key = [], ()
+        self._held = [[] for _ in range(self.nslots)]
+        self._held_bytes = 0
+        self._pending_start = None
+
+    def forget_last_swap_out(self) -> None:
+        """A step is captured from a synchronized device: no wait on the last step's swap-out is recorded into it
+        (a captured wait on an event from outside the capture is an error)."""
+        self._last_d2h = None
+
+    def wait_for_last_swap_out(self, stream: Any) -> None:
+        """``stream`` waits for the last step's last swap-out, unless that step was a replay on it."""
+        last = self._last_d2h
+        if last is not None and not (last is self._end and stream == self._compute):
+            stream.wait_event(last)
+
+    def after_replay(self, start: Any, end: Any, last_chunk: dict[torch.Tensor, int], n_chunks: int) -> None:
+        """A graph of a step was replayed between ``start`` and ``end`` (recorded on the replaying stream, which the
+        graph's last work joins): every per-param event of that step, the next step's wait for its last swap-out and
+        step_ms() are ``end``, the events recorded at the capture being the graph's own (Note [graphed step])."""
+        self._compute = self._here = self.mod.current_stream()
+        self._start, self._end, self._pending_start = start, end, None
+        self._last_d2h = end
+        ends = [end] * n_chunks
+        if self._last is not None and self._last[0] is not last_chunk:
+            self._fold_last()
+        self._last = _StepEvents(last_chunk, ends, ends, ends)
 
     def drain(self) -> None:
         """Failure path: the host waits for every copy and update already enqueued. The staging stays

@@ -15,17 +15,29 @@ from __future__ import annotations
 import contextlib
 import warnings
 import weakref
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from loguru import logger
 from pydantic import BaseModel
 
 import device
-from swapopt import checkpoint, config, copying, eviction, internals, npu, perparam, pipeline, resident_auto
-from swapopt.hoststate import local
+from swapopt import (
+    checkpoint,
+    config,
+    copying,
+    eviction,
+    graphed,
+    internals,
+    npu,
+    perparam,
+    pipeline,
+    resident_auto,
+)
 from swapopt.context import StepContext
-from swapopt.layout import MiB, HostLayout
+from swapopt.hoststate import local
+from swapopt.layout import HostLayout, MiB
 from swapopt.masters import Masters
 from swapopt.operate import SwapOptimizerOperate
 from swapopt.overlap import ForwardWaits
@@ -118,7 +130,7 @@ def _refuse(optimizer: Any, per_param: bool) -> None:
 _WRAPPERS: weakref.WeakKeyDictionary[torch.optim.Optimizer, weakref.ref] = weakref.WeakKeyDictionary()
 
 
-def _claim(optimizer: torch.optim.Optimizer, wrapper: "SwapOptimizer") -> None:
+def _claim(optimizer: torch.optim.Optimizer, wrapper: SwapOptimizer) -> None:
     """Make ``wrapper`` the one SwapOptimizer of ``optimizer``, refusing a second one while the first lives."""
     ref = _WRAPPERS.get(optimizer)
     first = ref() if ref is not None else None
@@ -202,6 +214,13 @@ class SwapOptimizer(torch.optim.Optimizer):
         )
         self._layout = HostLayout(self._ctx)  # host states, arenas and the plan (swapopt.layout)
         self._stats = SwapStats()
+        # step_graph (Note [graphed step] in swapopt.graphed): the captured step, the plan whose last step ran
+        # steadily (the next one of it is captured), captures in a row, and why capturing stopped (None: it did not)
+        self._graphed: graphed.GraphedStep | None = None
+        self._steady: Any = None
+        self._checked: Any = None  # the plan why_not last looked at
+        self._captures = 0
+        self._graph_off: str | None = None
         _claim(optimizer, self)
         self._ready = True
         self._ctx.device = device.get_device()
@@ -329,6 +348,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         self.wait_for_update()  # the other phase reads the params (overlap_forward: an update may be pending)
         self.wait_for_swap_out()  # in-flight D2H copies still read the staging buffers
         self.release_staging()
+        self._drop_graph()  # its pool holds the staging it was captured with
         eviction.evict(self)
         if empty_cache:
             eviction.device_call("empty_cache")
@@ -388,6 +408,13 @@ class SwapOptimizer(torch.optim.Optimizer):
         prefetch made for that plan is dropped."""
         self.operate.discard_prefetch()
         self._layout.invalidate()
+        self._drop_graph()
+
+    def _drop_graph(self) -> None:
+        if self._graphed is not None:
+            self._graphed.drop()
+            self._graphed = None
+        self._steady = None
 
     def swap_stats(self, wait: bool = True) -> SwapStats:
         """Counters of the last successful step; ``failed`` and ``last_error`` say whether the step after it
@@ -541,8 +568,12 @@ class SwapOptimizer(torch.optim.Optimizer):
             # failing allocation leaves every param untouched (Note [failure semantics], swapopt.recovery).
             layout.pre_hosts = layout.preallocate(prep)
             self._snapshot_hyper(prep.group_ids)
-            run = pipeline.StepRun(self._ctx, layout, prep, kwargs, self.operate.prefetched)
-            run.run()
+            run: Any = self._graphed_step(mod, prep, kwargs)
+            if run is None:
+                run = pipeline.StepRun(self._ctx, layout, prep, kwargs, self.operate.prefetched)
+                run.run()
+                if self._ctx.settings.step_graph:
+                    self._after_eager_step(mod, prep, kwargs, run.steady)
         except BaseException as exc:
             layout.pre_hosts = {}
             self._ctx.hyper = {}
@@ -568,6 +599,52 @@ class SwapOptimizer(torch.optim.Optimizer):
                 n, run.h2d / MiB, run.d2h / MiB, op.peak_staging_bytes / MiB, len(prep.resident),
                 layout.arenas.pinned_total / MiB, layout.arenas.pin_seconds,
             )  # fmt: skip
+
+    def _graphed_step(self, mod: Any, prep: Any, kwargs: dict) -> graphed.GraphedStep | None:
+        """step_graph (Note [graphed step] in swapopt.graphed): replay the captured step where it holds, else capture
+        one where the last step of this plan ran steadily; the step done (with its byte counts), or None: run it."""
+        ctx, graph = self._ctx, self._graphed
+        if graph is not None:
+            if graph.holds(ctx, prep, kwargs):
+                graph.replay(self.operate, prep.last_chunk, len(prep.plan.chunks))
+                self._captures = 0
+                return graph
+            self._drop_graph()
+        if not ctx.settings.step_graph or self._graph_off is not None or self._steady is not prep:
+            return None
+        try:
+            graph = graphed.GraphedStep.capture(ctx, self._layout, prep, mod)
+        except Exception as err:  # noqa: BLE001 - nothing ran: the step runs without a graph (Note [graphed step])
+            self._graph_off = repr(err)
+            self._steady = None
+            ctx.warn_once("graph", f"swapopt: step_graph: the step could not be captured ({err!r}); steps run without "
+                          "a graph")  # fmt: skip
+            logger.opt(exception=err).debug("swapopt step_graph: capture failed")
+            return None
+        self._graphed = graph
+        self._captures += 1
+        if self._captures == graphed.RECAPTURE_WARNING:
+            ctx.warn_once(
+                "recapture",
+                f"swapopt: step_graph captured the step {self._captures} times in a row: something it bakes in changes "
+                "at every step (a float lr set by a scheduler: pass lr as a tensor on the device; grads at new "
+                "addresses; replaced states). Each capture costs more than an ordinary step",
+            )
+        graph.replay(self.operate, prep.last_chunk, len(prep.plan.chunks))
+        return graph
+
+    def _after_eager_step(self, mod: Any, prep: Any, kwargs: dict, steady: bool) -> None:
+        """step_graph: after the first step of a plan (its states exist), whether its steps can be captured at all,
+        said once; the next step of a plan that ran steadily is captured (Note [graphed step])."""
+        ctx = self._ctx
+        if self._graph_off is None and self._checked is not prep:
+            self._checked = prep
+            reason = graphed.why_not(ctx, prep, kwargs, mod)
+            if reason is not None:
+                self._graph_off = reason
+                ctx.warn_once("graph", f"swapopt: step_graph is on but the step cannot be captured: {reason}; steps "
+                              "run without a graph")  # fmt: skip
+        self._steady = prep if steady and self._graph_off is None else None
 
     def _measure_resident(self, mod: Any, params: list[torch.Tensor], groups: list[int]) -> None:
         """resident_mb="auto": measure the device's spare memory and, when the budget changes, hand the planner

@@ -26,19 +26,20 @@ reached, which the failure path (swapopt.recovery, Note [failure semantics]) rea
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 import torch
 
 import device
 from swapopt import direct, flat, hoststate, inner, internals, recovery, subclass_state
 from swapopt.arena import itemsize
-from swapopt.hoststate import is_swapped_state, local, new_host_like, wrap_like
 from swapopt.context import StepContext
 from swapopt.cut_pieces import CutPieces
 from swapopt.direct import DirectStep
 from swapopt.flat import FlatStep
+from swapopt.hoststate import is_swapped_state, local, new_host_like, wrap_like
 from swapopt.layout import GRAD, HostLayout, Prepared, Region, same_objects
 from swapopt.masters import MASTER
 
@@ -150,7 +151,7 @@ class ChunkInputs:
     is stood for by its master's view into the slot, so the inputs hold only for the views they were made
     with (``views``)."""
 
-    def __init__(self, run: "StepRun", k: int, views: Any) -> None:
+    def __init__(self, run: StepRun, k: int, views: Any) -> None:
         prep = run.prep
         self.targets: list[torch.Tensor] = []
         self.bound: list[tuple[int, int, torch.Tensor, int]] = []  # flat pieces: (position, param index, local param, its address)
@@ -201,7 +202,7 @@ class ChunkInputs:
         elif not self.simple and not self.masters and bool(prep.runs[k]):
             whole = [pos for pos, pc in enumerate(pieces) if pos not in bound and prep.is_whole(pc)]
             plain = set(whole)
-            if len(whole) >= 2 and len(whole) < len(pieces) and all(
+            if whole and len(whole) < len(pieces) and all(
                 i in prep.covered[k] for i in moved if regions[i].piece in plain
             ) and not any(r.key == GRAD and r.piece in plain for r in regions):
                 self.cut = [pos for pos in range(len(pieces)) if pos not in plain]
@@ -219,7 +220,7 @@ class ChunkInputs:
         self.cut_pieces: CutPieces | None = None  # the cut positions' entries (Note [cut pieces])
 
     def _group_copies(
-        self, run: "StepRun", pieces: Any, positions: list[int]
+        self, run: StepRun, pieces: Any, positions: list[int]
     ) -> tuple[list[int], list[list[torch.Tensor]], list[dict]]:
         """For the pieces at ``positions``: the indices of their param groups, in order, each group's targets (in
         piece order), and a copy of each group over them."""
@@ -322,7 +323,7 @@ class ScalarWatch:
     rows: list[list[tuple[int, list[torch.Tensor], list[int]]]]  # per chunk: (stack, its states, their rows)
 
     @classmethod
-    def of(cls, prep: Prepared, state: Any) -> "ScalarWatch":
+    def of(cls, prep: Prepared, state: Any) -> ScalarWatch:
         stacks: dict[tuple, list[tuple[int, torch.Tensor]]] = defaultdict(list)
         watch = cls([], [], [], [], [], [], [], [])
         for k, chunk in enumerate(prep.plan.chunks):
@@ -371,7 +372,8 @@ class StepRun:
     """One swapped step over a prepared plan (stages in the module docstring)."""
 
     def __init__(
-        self, ctx: StepContext, layout: HostLayout, prep: Prepared, kwargs: dict, prefetched: Any = None
+        self, ctx: StepContext, layout: HostLayout, prep: Prepared, kwargs: dict, prefetched: Any = None,
+        capturing: bool = False,
     ) -> None:
         self.ctx = ctx
         self.prefetched = prefetched  # operate.Prefetched made for this plan: stage 1 already issued
@@ -391,6 +393,15 @@ class StepRun:
         self.typed: dict[tuple[int, torch.dtype], torch.Tensor] = {}  # see region_view
         self.direct_ok = not kwargs and direct.supported(ctx.optimizer, ctx.step_fn)  # Note [direct step]
         self.scratch_live: torch.Tensor | None = None  # the flat updates' scratch, while it has memory
+        # Note [graphed step] (swapopt.graphed): ``capturing``, this run is being captured (its device work is
+        # recorded, not done); ``steady``, it made no Python-side change a replay would not make again: no state
+        # created or replaced by another tensor, the scalar states the ones of the last step, published in place, no
+        # resident update, no keyword arguments
+        self.capturing = capturing
+        self.steady = not kwargs
+        # with step_graph, a cut param's scalars (its step count) are published into the tensors it has, not as
+        # new tensors, so its state dict holds the same objects from step to step (Note [graphed step])
+        self.in_place_scalars = ctx.settings.step_graph
 
     def run(self) -> None:
         op, prep = self.op, self.prep
@@ -411,6 +422,7 @@ class StepRun:
                     self.h2d += prep.h2d_bytes[j]  # counted once per step: at the step that uses them
                 self.views[j] = views
             if prep.resident:  # stage 2, while the first swap-ins are in flight
+                self.steady = False  # the inner step over the resident params' own dicts: not looked into
                 self.update_resident()
             for k in range(n):  # stages 3 and 4
                 if k + lookahead < n:
@@ -424,11 +436,15 @@ class StepRun:
             self.typed.clear()
             self.unbind_all()
             self.free_scratch()
-            recovery.recover(self)
+            if not self.capturing:
+                recovery.recover(self)
             self.pending.clear()
             self.progress.clear()
             self.layout.pre_hosts = {}
-            op.release_staging()
+            if self.capturing:  # nothing ran on the device: nothing to recover or wait for (Note [graphed step])
+                op.abandon_capture()
+            else:
+                op.release_staging()
             recovery.drop_frames(exc)
             raise
 
@@ -668,7 +684,7 @@ class StepRun:
                 or flat is not None and flat.run(self.ctx.optimizer, groups, self.scratch)  # Note [flat chunk update]
                 or fast is not None and fast.run(self.ctx.optimizer, groups)  # Note [direct step]
             )
-            if not stepped_directly:
+            if not stepped_directly:  # steady still where the step left every dict as handed (outputs)
                 self.step_made(ci.order, ci.members, groups, chunk_state, bool(ci.masters))
             cut_direct = False
             if cut_state is not None:  # the cut positions: a call of their own (Note [mixed chunks])
@@ -677,7 +693,11 @@ class StepRun:
                     and cuts.run_direct(ci.cut_members, ci.cut_groups, cut_state, self.ctx.optimizer)
                 )  # fmt: skip
                 if not cut_direct:
+                    # steady still where the inner step left the dicts made from the plan's entries as handed
+                    handed_cut = self.handed(cut_state)
                     self.step_made(ci.cut_order, ci.cut_members, ci.cut_groups, cut_state, False)
+                    if not self.stepped_in_place(cut_state, handed_cut):
+                        self.steady = False
             ci.unbind()  # the update is issued: the cached views let go of this step's grads
             progress["stage"] = ("output", k)
             every = chunk_state if cut_state is None else {**chunk_state, **cut_state}
@@ -717,7 +737,10 @@ class StepRun:
                 hold += h
                 finals += f
             return copies, hold, finals
-        return self.chunk_output(k, ci.targets, every, views)
+        copies, hold, finals = self.chunk_output(k, ci.targets, every, views)
+        if hold:  # the inner step put new tensors in place of states: not assumed to do the same at every step
+            self.steady = False
+        return copies, hold, finals
 
     def made_states(self, k: int, positions: list[int], targets: list[torch.Tensor]) -> defaultdict:
         """The state dicts of chunk k's pieces at ``positions``, made this step (piece_input), keyed by the tensors
@@ -742,6 +765,7 @@ class StepRun:
         watch = prep.scalars
         self.stale = watch.changed() if watch is not None else None
         if self.stale is None or self.stale:
+            self.steady = False
             watch = prep.scalars = ScalarWatch.of(prep, self.ctx.state)
         stacked = [torch.stack(values) for values in watch.stacks]
         return [[(own, ScalarRows(stacked[si], rows)) for si, own, rows in chunk] for chunk in watch.rows]
@@ -852,8 +876,13 @@ class StepRun:
             return
         st = self.ctx.state[p]
         if scalars:
-            st.update(scalars)
+            if self.in_place_scalars:
+                scalars = _copy_into_own(st, scalars)
+            if scalars:  # values that replace the param's (a new key, a Python number, another shape)
+                self.steady = False
+                st.update(scalars)
         if created:
+            self.steady = False
             st.update(created)
             self.layout.forget(p)
 
@@ -875,6 +904,24 @@ class StepRun:
             else:
                 states[key] = hoststate.pinned_empty_like(value)
         return states[key]
+
+
+def _copy_into_own(st: dict, scalars: dict[str, Any]) -> dict[str, Any]:
+    """Copy each tensor of ``scalars`` into the device tensor of the same shape and dtype the param's state dict
+    ``st`` holds under its key (a step count: the value the optimizer stepped a clone of); the others returned, for
+    the caller to put in as they are. Note [graphed step]: a replayed step writes only where its capture did."""
+    rest = {}
+    for key, value in scalars.items():
+        own = st.get(key)
+        if (
+            isinstance(value, torch.Tensor) and isinstance(own, torch.Tensor) and own is not value
+            and own.shape == value.shape and own.dtype == value.dtype and own.device == value.device
+            and not device.is_host_tensor(own)
+        ):  # fmt: skip
+            own.copy_(value)
+        elif own is not value:
+            rest[key] = value
+    return rest
 
 
 def prefetch(ctx: StepContext, layout: HostLayout, prep: Prepared) -> bool:

@@ -76,7 +76,10 @@ def test_positional_args_groups_and_knobs_reach_their_places(sim):
 def test_signature_shows_inner_arguments_then_swap_knobs():
     names = list(inspect.signature(SwapAdamW).parameters)
     inner = [n for n in inspect.signature(O.AdamW).parameters]
-    assert names == inner + ["swap_optimizer_times", "chunk_mb", "slots", "resident_mb", "per_param", "overlap_forward", "prefetch", "master_weights"]
+    assert names == inner + [
+        "swap_optimizer_times", "chunk_mb", "slots", "resident_mb", "per_param", "overlap_forward", "prefetch",
+        "master_weights", "step_graph",
+    ]
     assert inspect.signature(SwapAdamW).parameters["slots"].kind is inspect.Parameter.KEYWORD_ONLY
 
 

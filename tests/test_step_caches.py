@@ -292,6 +292,7 @@ def test_steady_step_aten_ops_do_not_grow_with_tensors(sim, n):
 
 def _python_calls(fn) -> int:
     """Python function calls (and builtins called from Python) made by ``fn``, outside the simulator's frames."""
+    import gc
     import sys
 
     calls, inside = 0, 0
@@ -306,11 +307,18 @@ def _python_calls(fn) -> int:
         elif inside == 0 and event in ("call", "c_call"):
             calls += 1
 
+    # Garbage of earlier tests collected inside the call would run its finalizers there: collected before, and the
+    # collector off meanwhile (as count_call does).
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
     sys.setprofile(profile)
     try:
         fn()
     finally:
         sys.setprofile(None)
+        if enabled:
+            gc.enable()
     return calls
 
 

@@ -10,7 +10,8 @@ tests/test_import_layers.py keeps it so):
 - which simulator is active (active), its dispatch modes (modes), its PrivateUse1 backend (backend) and the torch
   entry points it wraps (entry_points);
 - SimDevice's parts: streams (streams, events and their ordering), storages (device and pinned memory),
-  race_checks (the sanitizer's checks), outside_dispatch (host reads, aliases, collectives), dispatch (each op);
+  race_checks (the sanitizer's checks), outside_dispatch (host reads, aliases, collectives), dispatch (each op),
+  graphs (CUDA / NPU graph capture and replay);
 - device (SimDevice put together, activate, process_device), and this package's names.
 """
 
@@ -26,6 +27,7 @@ from device.sim.device import (
     process_device,
     process_flavour,
 )
+from device.sim.graphs import SimGraph
 from device.sim.presets import PRESETS, SimPreset
 from device.sim.sanitizer import StreamRaceError
 from device.sim.streams import SimEvent, SimStream
@@ -39,6 +41,7 @@ __all__ = [
     "PRESETS",
     "SimDevice",
     "SimEvent",
+    "SimGraph",
     "SimPreset",
     "SimStream",
     "SimTensor",

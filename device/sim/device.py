@@ -20,8 +20,9 @@ active (device/sim/entry_points.py; what SimDevice does for them: device/sim/out
 costs nothing: no mode is pushed.
 
 SimDevice is put together here from one part per concept: Storages (memory), StreamOrdering (streams, events,
-threads, backward passes), Dispatch (each op), RaceChecks (the sanitizer) and OutsideDispatch; this module adds
-the torch.cuda-like device surface and activation.
+threads, backward passes), Dispatch (each op), RaceChecks (the sanitizer), OutsideDispatch and Graphs (graph capture
+and replay, Note [graph capture] in device/sim/graphs.py); this module adds the torch.cuda-like device surface and
+activation.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from device.sim.accesses import StorageInfo as _Storage
 from device.sim.active import _ACTIVE, active
 from device.sim.backend import backend_name, register, registered_flavour
 from device.sim.dispatch import Dispatch
+from device.sim.graphs import Graphs, SimGraph
 from device.sim.host_memory import HostMemory, capacity_from_env
 from device.sim.memory import DeviceMemory, OutOfMemoryError, fmt_bytes
 from device.sim.modes import _SimMode, _StreamTagMode
@@ -62,6 +64,7 @@ __all__ = [
     "OutOfMemoryError",
     "SimDevice",
     "SimEvent",
+    "SimGraph",
     "SimPreset",
     "SimStream",
     "StreamRaceError",
@@ -91,7 +94,7 @@ def _settle_collectives() -> None:
         time.sleep(_SETTLE_S)
 
 
-class SimDevice(Storages, StreamOrdering, Dispatch, RaceChecks, OutsideDispatch):
+class SimDevice(Storages, StreamOrdering, Dispatch, RaceChecks, OutsideDispatch, Graphs):
     """The torch.cuda-like module surface of one simulated accelerator."""
 
     OutOfMemoryError = OutOfMemoryError
@@ -174,6 +177,7 @@ class SimDevice(Storages, StreamOrdering, Dispatch, RaceChecks, OutsideDispatch)
         self._host_actors = {HOST}
         # Stacks of accesses, for StreamRaceError.earlier_stack; off by default (it costs per op).
         self.stacks = os.environ.get("SWAPOPT_SIM_STACKS", "0") not in ("", "0")
+        self._init_graphs()  # CUDAGraph / NPUGraph, graph(), the captures underway (device/sim/graphs.py)
         self._default = self.Stream(name="compute")
         self._comm: SimStream | None = None
 

@@ -375,6 +375,9 @@ class Dispatch:
         kernel = plan.kernel if has_device else None
         node = _autograd_node()  # _op_stream(), written out
         stream = self._node_stream(node) if node is not None else (self._tls.current or self._default)
+        if self._captures and stream.actor in self._captures:
+            # Note [graph capture]: recorded into the graph, not run; outputs from the graph's pool.
+            return self._capture_op(func, plan, args, kwargs, tensor_args, accesses, has_device, place, stream)
         index = place if place >= 0 else None
         if not has_input:  # a factory: refuse before allocating
             need = factory_bytes(func, args, kwargs)
@@ -392,6 +395,8 @@ class Dispatch:
             # the copy stream: the host blocks, however non_blocking was asked.
             blocking = True
             self.strided_copies += 1
+        if blocking and self._captures:  # a host wait while streams capture (Note [graph capture])
+            self._capture_unsafe(f"{op.name} on {stream.name}, which makes the host wait for it,")
 
         host = self._tls.host  # _host()
         clocks = self._clocks

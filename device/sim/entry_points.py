@@ -360,6 +360,7 @@ _CUDA_SURFACE = (
     "mem_get_info", "memory_stats", "get_device_name", "get_device_properties", "is_bf16_supported",
     "manual_seed", "manual_seed_all", "get_rng_state", "set_rng_state", "get_rng_state_all", "set_rng_state_all",
     "initial_seed", "seed", "seed_all",
+    "CUDAGraph", "graph", "is_current_stream_capturing", "graph_pool_handle",  # Note [graph capture] (graphs.py)
 )  # fmt: skip
 _CUDA_SAVED: dict[str, Any] = {}
 

@@ -87,6 +87,8 @@ class OutsideDispatch:
         arg = _Arg(t, storage, info, "r")
         if info.kind == DEVICE:
             stream = self._current()
+            if self._captures:  # a blocking read on a capturing stream (Note [graph capture])
+                self._capture_sync(stream, what)
             host = self._host()
             self._clocks.merge_actor(stream.actor, host)
             self._check_and_log(what, [(arg, stream.actor, self._clocks.tick(stream.actor))])

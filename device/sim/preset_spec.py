@@ -92,6 +92,13 @@ class SimPreset:
     # (SWAPOPT_SIM_HOST_MB overrides it), and how fast one thread pins host memory, in GB/s.
     host_capacity_bytes: int = 125 * GiB
     pin_gbps: float = 1.66
+    # A replayed graph (CUDA graph / NPU graph: Note [graph capture] in device/sim/graphs.py): the host's time for one
+    # launch, and per node of the graph on top; and the device's own gap between the nodes it issues on one stream,
+    # in place of launch_us per op. The H100's, measured once by a probe until python -m swapopt.verify calibrates
+    # them (device/sim/presets.py). Files written before them load with these.
+    graph_launch_us: float = 5.3
+    graph_node_host_us: float = 0.0285
+    graph_node_gap_us: float = 1.15
 
     def __post_init__(self) -> None:
         if self.duplex_gbps < max(self.h2d_gbps, self.d2h_gbps):

@@ -51,6 +51,29 @@ _DUPLEX_RATIO = (
 _H100_RUN = "2026-11-26, NVIDIA H100 80GB HBM3, driver 580.159.04, CUDA 13.0, torch 2.11.0, PCIe gen 5 x16"
 _H100_MEASURED = f"measured by python -m swapopt.verify on {_H100_RUN} (h100-2026-11-26)"
 
+# Graph launches (Note [graph capture] in device/sim/graphs.py), measured once on an H100 by a probe of this
+# simulator's graph model, not by python -m swapopt.verify, which does not time a graph replay yet: they await a
+# calibration there. The probe: torch 2.11.0+cu130, driver 580.159.04, 2026-11-27; straight-line graphs of n
+# one-element add_ kernels, each replay timed on the host (median of 30) and by events on the device.
+_GRAPH_PROBE = (
+    "measured once on an NVIDIA H100 80GB HBM3 (torch 2.11.0+cu130, driver 580.159.04, 2026-11-27) by a probe"
+)
+_GRAPH_LAUNCH = (
+    f"{_GRAPH_PROBE}: host time of CUDAGraph.replay() for straight-line graphs of n one-element add_ kernels, median "
+    "of 30: 5.56 us at n=10, 7.49 at n=100, 33.79 at n=1000 (5.82 at n=1, 6.6-7.7 for graphs of two streams forked "
+    "and joined every 10 nodes, n=10-100); the line through n=10 and n=1000 starts at 5.3 us. Awaits a calibration "
+    "by python -m swapopt.verify"
+)
+_GRAPH_NODE_HOST = (
+    f"{_GRAPH_PROBE}: the slope of the same host times, (33.79 - 5.56) us / 990 nodes = 0.0285 us a node. Awaits a "
+    "calibration by python -m swapopt.verify"
+)
+_GRAPH_NODE_GAP = (
+    f"{_GRAPH_PROBE}: device time of the same replays, between events around them: 1.110 us a node at n=100, 1.189 "
+    "at n=1000, for kernels whose own time is next to nothing here (eager: 11.4-11.9 us an op, the host's launch "
+    "rate); 1.15 taken. Awaits a calibration by python -m swapopt.verify"
+)
+
 # The H100 host's time per tensor argument: tiny10k's resident fused AdamW step, 34.792 ms, is the host's (the
 # device works 13 us of it): 2 launches, then 59,996 tensors beyond two per op (Note [host clock]).
 _TINY10K_HOST_TENSOR_US = (34_792.0 - 2 * 6.170815944671631 - 13.3) / 59_996
@@ -85,6 +108,9 @@ PRESETS: dict[str, SimPreset] = {
         launcher_tensor_us=LAUNCHER_TENSOR_US,
         host_gbps=20.0,
         capacity_bytes=85_017_493_504,
+        graph_launch_us=5.3,
+        graph_node_host_us=0.0285,
+        graph_node_gap_us=1.15,
         calibrated=_H100_RUN,
         # The fitted figures unrounded, as swapopt.verify.calibrated_preset makes them from the run's calibration
         # (tests/data/cuda-h100-2026-11-26-calibration.json); host_tensor_us from the layout bench.
@@ -147,6 +173,9 @@ PRESETS: dict[str, SimPreset] = {
             "host_capacity_bytes": "measured on the H100 run's host (h100-2026-11-26, env.txt): 125 GiB of RAM",
             "pin_gbps": "measured on the H100 run's host (h100-2026-11-26, pinned.txt): 24 GiB + 4 KiB pinned by one "
             "thread in 15.54 s, 1.66 GB/s",
+            "graph_launch_us": _GRAPH_LAUNCH,
+            "graph_node_host_us": _GRAPH_NODE_HOST,
+            "graph_node_gap_us": _GRAPH_NODE_GAP,
         },
     ),
     "910b": SimPreset(
@@ -170,6 +199,9 @@ PRESETS: dict[str, SimPreset] = {
         launch_us=10.0,
         host_gbps=20.0,
         capacity_bytes=64 * GiB,
+        graph_launch_us=8.6,
+        graph_node_host_us=0.046,
+        graph_node_gap_us=1.9,
         sources={
             "h2d_gbps": "assumed: PCIe 4.0 x16 host link (31.5 GB/s theoretical, as third-party 910B spec summaries "
             "list it) at the ~80% of theoretical that Huawei's mxRec PCIe tuning guide says transfers reach",
@@ -197,6 +229,13 @@ PRESETS: dict[str, SimPreset] = {
             "host_capacity_bytes": "assumed: 125 GiB, as the H100 host; Atlas 800T A2 servers carry more per NPU, "
             "set SWAPOPT_SIM_HOST_MB for the host at hand",
             "pin_gbps": "assumed: as the H100 host's measured 1.66 GB/s (page pinning is host-side work)",
+            "graph_launch_us": "assumed, awaits calibration on hardware: an NPU graph replay (torch_npu NPUGraph, "
+            "aclmdlRIExecuteAsync) through the ACL runtime, the H100's measured 5.3 us scaled as launch_us is (10 / "
+            "6.17)",
+            "graph_node_host_us": "assumed, awaits calibration on hardware: the H100's measured 0.0285 us a node, "
+            "scaled as launch_us is (10 / 6.17)",
+            "graph_node_gap_us": "assumed, awaits calibration on hardware: the H100's measured 1.15 us between a "
+            "graph's nodes on the device, scaled as launch_us is (10 / 6.17)",
         },
     ),
 }

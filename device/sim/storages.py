@@ -57,6 +57,7 @@ class Storages:
     _mems: dict[int, DeviceMemory]
     host_mem: HostMemory
     _lock: threading.RLock
+    _captures: dict[int, Any]  # capturing stream's actor -> its capture (device.sim.graphs)
 
     def _mem_of(self, index: int) -> DeviceMemory:
         mem = self._mems.get(index)
@@ -269,8 +270,9 @@ class Storages:
             self._allocated(info, stream)
 
     def _allocated(self, info: _Storage, stream: SimStream) -> None:
-        """A device block registered outside an op (already accounted): its allocation-stream record."""
-        if self.sanitize and info.nbytes:
+        """A device block registered outside an op (already accounted): its allocation-stream record (none for a
+        capture's, whose accesses are its graph's replays': Note [graph capture])."""
+        if self.sanitize and info.nbytes and not (self._captures and stream.actor in self._captures):
             host = self._host()
             self._clocks.merge_actor(stream.actor, host)
             epoch = self._clocks.tick(stream.actor)
@@ -303,12 +305,28 @@ class Storages:
                 mem = self._mem_of(info.index)
             if mem.deferred:
                 mem.process_deferred(self._timeline.host_us)
-            block = mem.allocate(info.nbytes)
+            capture = self._captures.get(actor) if self._captures else None
+            if capture is not None:  # Note [graph capture]: a capturing stream allocates from its graph's pool
+                block = mem.allocate(info.nbytes, capture.pool)
+            else:
+                reserved = mem.reserved
+                block = mem.allocate(info.nbytes)
+                if self._captures and mem.caching and block is not None and mem.reserved > reserved:
+                    # A new segment for a stream outside the captures: a cudaMalloc that torch does not relax, a
+                    # potentially unsafe call while a capture is underway (Note [graph capture]).
+                    try:
+                        self._capture_unsafe(f"a new {fmt_bytes(mem.reserved - reserved)} segment (cudaMalloc)")
+                    except RuntimeError:
+                        mem.undo(block)
+                        del self._storages[key]
+                        raise
             if block is None:
                 del self._storages[key]
                 raise self._oom(info.nbytes, info.index)
             info.block = block
-            if self._hazards and self.sanitize:
+            if capture is not None:
+                capture.made.add(info)
+            elif self._hazards and self.sanitize:
                 self._check_reuse(actor, info)
         if uid is not None:
             return info
@@ -375,7 +393,8 @@ class Storages:
             mem.free_after(info.block, ready)
         else:
             mem.free(info.block)
-        if self.sanitize:
+        # A private pool's block goes to no allocation outside its graph's captures: no hazard (Note [free and reuse]).
+        if self.sanitize and info.block.pool is None:
             self._check_free(info)
 
     def _oom(self, need: int, index: int | None = None) -> OutOfMemoryError:
@@ -414,7 +433,7 @@ class Storages:
                 if nbytes != info.nbytes:
                     # A resize takes a new block, copies and frees the old one: the peak holds both.
                     mem = self._mem_of(info.index)
-                    block = mem.allocate(nbytes)
+                    block = mem.allocate(nbytes, info.block.pool)  # a graph's block stays in its pool
                     mem.free(info.block)
                     if block is None:  # resized behind the dispatcher: past capacity, report it now
                         info.block, info.nbytes = Block(0), 0

@@ -33,7 +33,10 @@ class ThreadState(threading.local):
     callers: list | None = None  # the callers' streams of nested backward() calls (_backward_call)
 
 
-@counted_methods("__init__", "wait_event", "wait_stream", "record_event", "synchronize", "query", "__enter__", "__exit__")
+@counted_methods(
+    "__init__", "wait_event", "wait_stream", "record_event", "synchronize", "query", "__enter__", "__exit__",
+    "is_capturing",
+)
 class SimStream:
     """A stream of the simulated device. Created through `SimDevice.Stream(...)`."""
 
@@ -63,11 +66,19 @@ class SimStream:
         return event
 
     def synchronize(self) -> None:
+        if self._sim._captures:  # Note [graph capture]: a capturing stream cannot be waited for
+            self._sim._capture_sync(self, "Stream.synchronize()")
         self._sim._host_wait(self._sim._clocks.snapshot(self.actor), self.tail_us)
         self._sim._raise_pending()
 
     def query(self) -> bool:
+        if self._sim._captures:
+            self._sim._capture_sync(self, "Stream.query()")
         return self._sim._query(self._sim._clocks.snapshot(self.actor), self.tail_us)
+
+    def is_capturing(self) -> bool:
+        """Whether a graph capture records this stream's work (torch.Stream.is_capturing)."""
+        return self.actor in self._sim._captures
 
     def __enter__(self) -> SimStream:
         self._prev.append(self._sim._current())
@@ -117,6 +128,9 @@ class SimEvent:
         self.enable_timing = enable_timing
         self.clock: Clock | None = None  # the recording stream's clock at record time
         self.time_us: float | None = None  # modeled completion time
+        # Last recorded on a capturing stream: (the capture, its number there) until recorded again outside one
+        # (Note [graph capture] in device/sim/graphs.py).
+        self.captured: tuple[Any, int] | None = None
 
     def record(self, stream: SimStream | None = None) -> None:
         self._sim._record(self, stream if stream is not None else self._sim._current())
@@ -125,9 +139,13 @@ class SimEvent:
         (stream if stream is not None else self._sim._current()).wait_event(self)
 
     def query(self) -> bool:
+        if self.captured is not None or self._sim._captures:  # Note [graph capture]
+            self._sim._captured_event(self, "Event.query()")
         return self.clock is None or self._sim._query(self.clock, self.time_us)
 
     def synchronize(self) -> None:
+        if self.captured is not None or self._sim._captures:
+            self._sim._captured_event(self, "Event.synchronize()")
         if self.clock is not None:
             self._sim._host_wait(self.clock, self.time_us)
         self._sim._raise_pending()
@@ -135,6 +153,9 @@ class SimEvent:
     def elapsed_time(self, end_event: SimEvent) -> float:
         """Modeled milliseconds between this event and `end_event`, like torch.cuda.Event.elapsed_time."""
         sim = self._sim
+        for event in (self, end_event):
+            if event.captured is not None:
+                sim._captured_event(event, "Event.elapsed_time()")
         if sim.flavour == "npu":
             # torch_npu (csrc/core/npu/NPUEvent.cpp:152-176) neither checks enable_timing nor raises for an
             # unfinished event: it drains every task queue and synchronizes on both events, so the host
@@ -169,6 +190,7 @@ class StreamOrdering:
     _tls: ThreadState
     _default: SimStream
     _comm: SimStream | None
+    _captures: dict[int, Any]  # capturing stream's actor -> its capture (device.sim.graphs)
 
     def current_stream(self, device: Any = None) -> SimStream:
         return self._present(self._current())
@@ -228,6 +250,8 @@ class StreamOrdering:
             tls.current, tls.set_in = saved
 
     def synchronize(self, device: Any = None) -> None:
+        if self._captures:  # Note [graph capture]: the device cannot be waited for while a stream captures
+            self._capture_sync(None, "synchronize()")
         host = self._host()
         for actor in self._clocks.actors():
             if actor not in self._host_actors:
@@ -247,11 +271,18 @@ class StreamOrdering:
         return name
 
     def _record(self, event: SimEvent, stream: SimStream) -> None:
+        if self._captures and stream.actor in self._captures:  # Note [graph capture]: a node of the graph
+            self._capture_record(event, stream)
+            return
+        event.captured = None
         self._clocks.merge_actor(stream.actor, self._host())  # recording is a launch: it follows the host's past
         event.clock = self._clocks.snapshot(stream.actor)
         event.time_us = max(stream.tail_us, self._timeline.host_us)
 
     def _stream_wait(self, stream: SimStream, event: SimEvent) -> None:
+        if event.captured is not None or (self._captures and stream.actor in self._captures):
+            self._capture_wait(stream, event)  # Note [graph capture]: joins, forks and captured waits
+            return
         if event.clock is None:  # waiting on a never-recorded event is a no-op, as in CUDA
             return
         self._clocks.merge_actor(stream.actor, self._host())
@@ -332,6 +363,15 @@ class StreamOrdering:
             # run; following the previous node over-approximates that, so it never reports a race the engine
             # prevents.
             backward["node"] = node
+            if (
+                own is self._default and self._captures and backward["last"].actor in self._captures
+                and _STREAM_TAG not in node.metadata
+            ):  # fmt: skip
+                # A node no forward op tagged (one torch made inside a call: the transpose of F.linear) runs on the
+                # default stream here, an approximation that must not make the default stream wait on a capture,
+                # which CUDA refuses (Note [graph capture]): during a capture it runs where the previous node ran,
+                # the capturing stream its forward ran on, as the engine would run it.
+                own = node.metadata[_STREAM_TAG] = backward["last"]
             if own is not backward["last"]:
                 own.wait_stream(backward["last"])
                 backward["last"] = own
@@ -359,4 +399,6 @@ class StreamOrdering:
     def _host_sync_stream(self) -> None:
         """The host waits for the current stream's queued work (a synchronous copy on it)."""
         stream = self._current()
+        if self._captures:
+            self._capture_sync(stream, "a synchronous copy")
         self._host_wait(self._clocks.snapshot(stream.actor), stream.tail_us)

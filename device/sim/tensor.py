@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from device.sim import host_time
 from device.sim.ops import _arg_names
 
 _PLACEHOLDER_BYTES = 2**56
@@ -46,9 +47,13 @@ class SimTensor(torch.Tensor):
 
     # Memory is the CPU storage inside: FSDP's storage resizes, data_ptr identity and the simulator's
     # free_storage/alloc_storage act on it. (Its `.device` says cpu: a storage cannot carry our device.)
+    # Both are simulator frames (host_time.counted): on a device they are C++ getters of well under a
+    # microsecond, so their Python here is not the caller's host time.
+    @host_time.counted
     def untyped_storage(self) -> torch.UntypedStorage:
         return self._elem.untyped_storage()
 
+    @host_time.counted
     def data_ptr(self) -> int:
         return self._elem.data_ptr()
 

@@ -265,19 +265,26 @@ class Timeline:
         label: str | None,
         flops: Flops | None = None,
         tensors: int = 0,
+        issued_us: float | None = None,
     ) -> TimelineOp:
         """Launch a stream op that may start no earlier than `ready_us` (its stream's tail); return it.
         `flops` prices a compute op by arithmetic as well as by bytes (device.costs.op_flops); `tensors` is how
-        many tensors it takes, for the host's cost of issuing it (Note [host clock])."""
-        if self.host_clock == "measured":
-            self.charge_python(tensors)
+        many tensors it takes, for the host's cost of issuing it (Note [host clock]). `issued_us`: a node of a
+        replayed graph, which the device issues itself at that time (never before the host's clock): the host
+        pays nothing for it (Note [graph capture] in device/sim/graphs.py)."""
         preset = self.preset
-        # issue_us(tensors), written out (this runs for every device op)
-        per_tensor = preset.host_tensor_us if self.host_clock == "ops" else preset.launcher_tensor_us
-        self.host_us += preset.launch_us + per_tensor * max(tensors - 2, 0)
+        if issued_us is None:
+            if self.host_clock == "measured":
+                self.charge_python(tensors)
+            # issue_us(tensors), written out (this runs for every device op)
+            per_tensor = preset.host_tensor_us if self.host_clock == "ops" else preset.launcher_tensor_us
+            self.host_us += preset.launch_us + per_tensor * max(tensors - 2, 0)
+            now = self.host_us
+        else:
+            now = max(issued_us, self.host_us)
         if lane in _OPPOSITE:
-            start = max(self.host_us, ready_us, self._lane_free[lane])
-            if self.preset.link_sharing == "sized" and self.host_us >= max(self._lane_free[d] for d in _OPPOSITE):
+            start = max(now, ready_us, self._lane_free[lane])
+            if self.preset.link_sharing == "sized" and now >= max(self._lane_free[d] for d in _OPPOSITE):
                 # Note [link debt]: under "sized", a copy the host issues once both directions have drained (after
                 # a synchronize, say) pays nothing for copies before it, as on the H100: H2D copies alone right
                 # after both directions were busy moved at their rate alone (bench/results/
@@ -289,7 +296,7 @@ class Timeline:
             end = self._copy_end_us(lane, start, nbytes)
         else:
             cost = self.kernel_cost_us(nbytes, flops)
-            start, end = self._fit(max(self.host_us, ready_us), cost)
+            start, end = self._fit(max(now, ready_us), cost)
         work = flops.count if flops is not None and lane == "compute" else 0.0
         op = _new_tuple(TimelineOp, (stream, lane, name, label, start, end, nbytes, work))  # without a Python frame
         self._lane_free[lane] = max(self._lane_free[lane], op.end_us)

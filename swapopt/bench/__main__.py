@@ -117,6 +117,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--layout-flat", action="store_true",
                     help="each layout chunk count also with the flat chunk update on (swapopt.flat.ENABLED), in "
                     "rows labelled swapopt-flat")
+    ap.add_argument("--layout-graph", action="store_true",
+                    help="each layout chunk count also with step_graph on (the steady step replayed as a device "
+                    "graph), in rows labelled swapopt-graph")
     ap.add_argument("--layout-max-params", type=int, default=None,
                     help=f"layouts with more params are scaled down (every dim divided alike; tensor counts kept); "
                     f"default {SIM_MAX_NUMEL:,} on the simulator, what fits on a device")
@@ -214,13 +217,14 @@ def _run(args: argparse.Namespace) -> tuple[Report, list[Path]]:
         layouts = []
         if args.layouts:
             max_numel = args.layout_max_params or default_max_numel()
-            per_layout = 1 + len(args.layout_times) * (2 if args.layout_flat else 1)
+            per_layout = 1 + len(args.layout_times) * (1 + args.layout_flat + args.layout_graph)
             layout_task = progress.add_task("layouts", total=len(args.layouts) * per_layout)
             for name in args.layouts:
                 progress.update(layout_task, description=name)
                 layouts.append(run_layout(
                     name, times=args.layout_times, max_numel=max_numel, impl=cfg.impl, warmup=cfg.warmup,
                     repeats=cfg.repeats, on_done=lambda _: progress.advance(layout_task), flat=args.layout_flat,
+                    graph=args.layout_graph,
                 ))
         e2e = []
         e2e_picture = None

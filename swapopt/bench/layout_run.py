@@ -39,7 +39,7 @@ LAUNCHES_PER_CHUNK, LAUNCHES_PER_STEP = 3, 8
 
 
 class LayoutRow(BaseModel):
-    kind: str  # "resident" | "swapopt"
+    kind: str  # "resident" | "swapopt" | "swapopt-graph"
     label: str
     flat: bool = False  # swapopt rows: the flat chunk update on (swapopt.flat.ENABLED), labelled "swapopt-flat"
     times: int | None = None
@@ -163,7 +163,7 @@ def _measure(
             row.pinned_bytes = pinned_after - pinned_before
         else:
             row.pinned_bytes = pinned_host_bytes(_state_tensors(strategy))
-        if kind == "swapopt":
+        if kind.startswith("swapopt"):
             if flat:
                 row.label = row.label.replace("swapopt", "swapopt-flat", 1)
             row.times, row.slots = times, slots
@@ -194,10 +194,12 @@ def run_layout(
     bandwidth_repeats: int = 4,
     on_done: Callable[[str], None] = lambda label: None,
     flat: bool = False,
+    graph: bool = False,
 ) -> LayoutResult:
     """Resident AdamW, then swapopt at each of `times` chunk counts, over one layout's params (scaled
     to at most `max_numel` params when given); with `flat`, each chunk count also with the flat chunk update
-    (Note [flat chunk update] in swapopt.flat) on, in a row of its own."""
+    (Note [flat chunk update] in swapopt.flat) on, in a row of its own; with `graph`, each chunk count also with
+    ``step_graph`` (Note [graphed step] in swapopt.graphed), in rows labelled swapopt-graph."""
     shape = get_layout(layout) if isinstance(layout, str) else layout
     if max_numel is not None and shape.numel > max_numel:
         shape = scale_to_fit(shape, max_numel)
@@ -208,6 +210,7 @@ def run_layout(
     params = make_layout_params(shape)
     rows = []
     runs = [("resident", 0, False)] + [("swapopt", t, f) for t in times for f in ((False, True) if flat else (False,))]
+    runs += [("swapopt-graph", t, False) for t in times] if graph else []
     for kind, t, f in runs:
         rows.append(_measure(kind, params, spec, t or 16, slots, state_bytes, warmup, repeats, flat=f))
         on_done(rows[-1].label)
@@ -219,7 +222,7 @@ def run_layout(
     bound = bound_ms(state_bytes, state_bytes, bandwidth, resident_ms or 0.0)
     floor, rule = link_floor_ms(state_bytes, state_bytes, bandwidth)
     for r in rows:  # the floor at the row's own copy size: a sized link moves small copies at lower rates
-        if r.kind == "swapopt" and r.chunk_bytes:
+        if r.kind.startswith("swapopt") and r.chunk_bytes:
             r.floor_ms = link_floor_ms(state_bytes, state_bytes, bandwidth, r.chunk_bytes)[0]
     return derive(LayoutResult(
         layout=shape.name, source=shape.source, scale=shape.scale, tensors=shape.count, numel=shape.numel,
@@ -253,7 +256,7 @@ def derive(res: LayoutResult) -> LayoutResult:
             r.ratio = r.step_ms / res.bound_ms
             floor = r.floor_ms or res.floor_ms
             r.floor_ratio = r.step_ms / floor if floor else None
-        if r.kind == "swapopt" and r.chunks is not None:
+        if r.kind.startswith("swapopt") and r.chunks is not None:
             r.python_limit_ms = (HOST_CHUNK_US * r.chunks + HOST_TENSOR_US * res.tensors) / 1e3
             if r.python_ms is not None:
                 r.python_over_limit = r.python_ms / r.python_limit_ms
@@ -357,7 +360,7 @@ def layouts_markdown(results: Sequence[LayoutResult]) -> str:
         )
         out.append("|" + "---|" * 21)
         for r in res.rows:
-            state = _mib(res.state_bytes) if r.kind == "swapopt" else "-"
+            state = _mib(res.state_bytes) if r.kind.startswith("swapopt") else "-"
             out.append(
                 f"| {r.label}{' (' + r.note + ')' if r.note else ''} | {_num(r.chunks)} | "
                 f"{_num(r.step_ms, '{:.3f}')} | {_num(r.ratio, '{:.2f}')} | {_num(r.floor_ratio, '{:.3f}')} | "

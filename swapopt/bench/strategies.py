@@ -217,15 +217,18 @@ class SwapOpt:
     """swapopt.SwapOptimizer around the same torch AdamW."""
 
     reproduces = "swapopt: chunked pipeline, H2D / update / D2H overlapped"
+    name = "swapopt"
+    step_graph = False
 
     def __init__(self, params: Sequence[torch.Tensor], spec: AdamWSpec, times: int = 16, slots: int = 3):
         from swapopt import SwapOptimizer
 
-        self.label = f"swapopt t={times} s={slots}"
+        self.label = f"{self.name} t={times} s={slots}"
         self.times, self.slots = times, slots
         self.params, self.spec = list(params), spec
         self.opt = SwapOptimizer(
-            spec.make(params), swap_optimizer_times=times, slots=slots, master_weights=spec.master_weights
+            spec.make(params), swap_optimizer_times=times, slots=slots, master_weights=spec.master_weights,
+            step_graph=self.step_graph,
         )
 
     def step(self) -> None:
@@ -248,6 +251,15 @@ class SwapOpt:
         self.opt.wait_for_swap_out()
         self.opt.release_staging()
         self.opt.state.clear()
+
+
+class SwapOptGraph(SwapOpt):
+    """swapopt with ``step_graph``: from the third step on, each step is one replay of a captured graph (Note
+    [graphed step] in swapopt.graphed)."""
+
+    reproduces = "swapopt, step_graph: the steady step captured once as a device graph and replayed"
+    name = "swapopt-graph"
+    step_graph = True
 
 
 class SwapOptAuto(SwapOpt):
@@ -655,6 +667,7 @@ class TorchaoOffload:
 STRATEGY_DOCS: dict[str, str] = {
     "resident": Resident.reproduces,
     "swapopt": SwapOpt.reproduces,
+    "swapopt-graph": SwapOptGraph.reproduces,
     "swapopt-auto-25": SwapOptAuto.reproduces,
     "swapopt-auto-75": SwapOptAuto.reproduces,
     "serial": SerialSwap.reproduces,
@@ -678,7 +691,8 @@ LOWBIT_STRATEGIES = ("resident-8bit", "swapopt-8bit")
 # run as real CPU work over every element) costs minutes at 0.1B where the others take seconds, and some 20 s more
 # at 0.0002B (2 CPU cores). Named in --strategies, they run at the sizes asked.
 ALL_STRATEGIES = tuple(STRATEGY_DOCS)
-DEFAULT_STRATEGIES = tuple(k for k in STRATEGY_DOCS if k not in LOWBIT_STRATEGIES)
+# swapopt-graph: on a device, where a graph's replay is what it measures; the layout bench runs it where asked.
+DEFAULT_STRATEGIES = tuple(k for k in STRATEGY_DOCS if k not in LOWBIT_STRATEGIES and k != "swapopt-graph")
 SIM_LOWBIT_SIZE = 0.0002  # billions of params: 213,440 params, 13 of its 20 tensors quantized
 
 
@@ -692,6 +706,8 @@ def make_strategy(
         return Resident(params, spec)
     if kind == "swapopt":
         return SwapOpt(params, spec, times=times, slots=slots)
+    if kind == "swapopt-graph":
+        return SwapOptGraph(params, spec, times=times, slots=slots)
     if kind.startswith("swapopt-auto-"):  # two free-memory levels: 25% and 75% of the state bytes spare
         return SwapOptAuto(params, spec, times=times, slots=slots, spare=int(kind.rsplit("-", 1)[1]) / 100)
     if kind == "serial":
