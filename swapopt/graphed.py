@@ -156,8 +156,11 @@ class GraphedStep:
         graph = graph_cls()
         side = mod.Stream()
         run = pipeline.StepRun(ctx, layout, prep, {}, None, capturing=True)
+        # A capture may not wait on an event from outside it: the host waits for the last step's swap-outs (which
+        # the capture's swap-ins must follow) before it begins, and the capture records no such wait.
+        op.wait_for_swap_out()
+        op.forget_last_swap_out()
         op.capturing = True
-        op.forget_last_swap_out()  # the capture starts from a synchronized device (the graph context's)
         try:
             # thread_local: a thread of the caller's (a checkpoint writer, a data loader) may go on using the device
             with capture(graph, stream=side, capture_error_mode="thread_local"):
