@@ -432,7 +432,7 @@ def graph_api(mod: Any) -> tuple[Any, Any] | None:
     """(graph class, capture context manager) of a device module: torch.cuda's CUDAGraph and graph, torch_npu's
     NPUGraph and graph (torch_npu/npu/graphs.py), the simulator's; None where it has none (torch.cpu)."""
     capture = getattr(mod, "graph", None)
-    if mod is torch.cpu or not callable(capture):
+    if not callable(capture):
         return None
     for name in ("CUDAGraph", "NPUGraph"):
         cls = getattr(mod, name, None)

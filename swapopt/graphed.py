@@ -42,7 +42,7 @@ graph's last copies join.
 A capture that fails (an operation the device forbids while capturing, an error in the step's Python) did nothing
 on the device, and its Python changes are undone (the state dicts as they were): the step runs as
 usual, with a warning, and this optimizer does not try again. Its slot tensors, given memory inside the capture,
-are let go (SwapOptimizerOperate.abandon_capture): the next step makes new ones, and new views of them.
+are let go (SwapOptimizerOperate.end_capture): the next step makes new ones, and new views of them.
 """
 
 from __future__ import annotations
@@ -94,13 +94,18 @@ def _same_value(a: Any, b: Any) -> bool:
         return False
 
 
+def _scaled(ctx: StepContext) -> bool:
+    """A GradScaler lent the step its scale and inf flag (per step values a graph would not read anew)."""
+    return any(getattr(ctx.optimizer, k, None) is not None for k in internals.AMP_ATTRIBUTES)
+
+
 def why_not(ctx: StepContext, prep: Prepared, kwargs: dict, mod: Any) -> str | None:
     """Why a step of this plan cannot be captured (None: it can): what a replay could not redo."""
     if device.graph_api(mod) is None:
         return f"the {ctx.device} device module has no graph capture"
     if kwargs:
         return "step() was given keyword arguments"
-    if any(getattr(ctx.optimizer, k, None) is not None for k in internals.AMP_ATTRIBUTES):
+    if _scaled(ctx):
         return "a GradScaler hands the step its scale"
     state = ctx.state
     for p in prep.params:
@@ -156,11 +161,7 @@ class GraphedStep:
         graph = graph_cls()
         side = mod.Stream()
         run = pipeline.StepRun(ctx, layout, prep, {}, None, capturing=True)
-        # A capture may not wait on an event from outside it: the host waits for the last step's swap-outs (which
-        # the capture's swap-ins must follow) before it begins, and the capture records no such wait.
-        op.wait_for_swap_out()
-        op.forget_last_swap_out()
-        op.capturing = True
+        op.begin_capture()
         try:
             # thread_local: a thread of the caller's (a checkpoint writer, a data loader) may go on using the device
             with capture(graph, stream=side, capture_error_mode="thread_local"):
@@ -172,15 +173,13 @@ class GraphedStep:
             if not run.steady:
                 raise RuntimeError("the step's Python changed what the next step would issue")
         except BaseException:
-            op.abandon_capture()
+            op.end_capture(failed=True)
             for st, before in zip(owners, saved):
                 st.clear()
                 st.update(before)
             _reset(graph)
             raise
-        finally:
-            op.capturing = False
-            op.forget_last_swap_out()  # the capture's events order work inside the graph only
+        op.end_capture(failed=False)
         return cls(graph, mod, prep, ctx, run.h2d, run.d2h, op.peak_staging_bytes)
 
     def holds(self, ctx: StepContext, prep: Prepared, kwargs: dict) -> bool:
@@ -189,7 +188,7 @@ class GraphedStep:
         same addresses as at the capture, new tensors or not."""
         if prep is not self.prep or kwargs or ctx.operate.mod is not self.mod or ctx.state is not self.state_map:
             return False
-        if any(getattr(ctx.optimizer, k, None) is not None for k in internals.AMP_ATTRIBUTES):
+        if _scaled(ctx):
             return False
         params = prep.params
         if _addresses(list(map(_GRAD, params)), self.dtensors) != self.grad_addresses:

@@ -18,15 +18,13 @@ import torch
 from loguru import logger
 
 import device
-from swapopt import flat as flat_update
-from swapopt import hostmem, hoststate, perparam, subclass_state
+from swapopt import flat as flat_update, hostmem, hoststate, perparam, subclass_state
 from swapopt.arena import Arenas, Run, arena_limit, itemsize, pack
 from swapopt.context import StepContext
-from swapopt.costs import link_costs
 from swapopt.hoststate import is_swapped_state, local, new_host_like, wrap_like
 from swapopt.masters import MASTER
-from swapopt.plan import DEFAULT_ALIGN, ParamSize, Plan, make_plan
-from swapopt.plan import SLOT_ALIGN as _SLOT_ALIGN
+from swapopt.costs import link_costs
+from swapopt.plan import DEFAULT_ALIGN, SLOT_ALIGN as _SLOT_ALIGN, ParamSize, Plan, make_plan
 
 MiB = 1 << 20
 GRAD = "\0grad"  # region key of a grad gathered into the slot (no state key can collide with it)

@@ -42,10 +42,9 @@ once per plan, not once per step. A change of slot size or device makes new slot
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, Iterable, NamedTuple, Sequence
 
 import torch
 
@@ -548,20 +547,24 @@ class SwapOptimizerOperate:
                 for p in resident:
                     self.pending[p] = self._update[p] = self._resident_event
 
-    def abandon_capture(self) -> None:
-        """A step being captured failed: nothing of it ran on the device, so nothing is waited for. The slot
-        tensors got their memory inside the capture: new ones are made at the next step (Note [graphed step])."""
-        self._held_in = None
-        self._staging, self._staging_stream = [], None
-        self._slot_store, self._slot_key = [], ()
-        self._held = [[] for _ in range(self.nslots)]
-        self._held_bytes = 0
-        self._pending_start = None
-
-    def forget_last_swap_out(self) -> None:
-        """A step is captured from a synchronized device: no wait on the last step's swap-out is recorded into it
-        (a captured wait on an event from outside the capture is an error)."""
+    def begin_capture(self) -> None:
+        """The next step is captured as a graph (Note [graphed step]). A capture may not wait on an event from outside
+        it: the host waits for the last step's swap-outs now, and the capture records no wait for them."""
+        self.wait_for_swap_out()
         self._last_d2h = None
+        self.capturing = True
+
+    def end_capture(self, failed: bool) -> None:
+        """The capture ended. Its events order work inside the graph only: none is waited on after it. ``failed``:
+        nothing of the step ran on the device, so nothing is waited for, and the slot tensors, given their memory
+        inside the capture, are let go (new ones are made at the next step)."""
+        self.capturing = False
+        self._last_d2h = None
+        if failed:
+            self._staging = []  # not freed: the capture's memory goes with its graph
+            self._drop()
+            self._slot_store, self._slot_key = [], ()
+            self._pending_start = None
 
     def wait_for_last_swap_out(self, stream: Any) -> None:
         """``stream`` waits for the last step's last swap-out, unless that step was a replay on it."""

@@ -15,29 +15,17 @@ from __future__ import annotations
 import contextlib
 import warnings
 import weakref
-from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Callable, Iterable
 
 import torch
 from loguru import logger
 from pydantic import BaseModel
 
 import device
-from swapopt import (
-    checkpoint,
-    config,
-    copying,
-    eviction,
-    graphed,
-    internals,
-    npu,
-    perparam,
-    pipeline,
-    resident_auto,
-)
-from swapopt.context import StepContext
+from swapopt import checkpoint, config, copying, eviction, graphed, internals, npu, perparam, pipeline, resident_auto
 from swapopt.hoststate import local
-from swapopt.layout import HostLayout, MiB
+from swapopt.context import StepContext
+from swapopt.layout import MiB, HostLayout
 from swapopt.masters import Masters
 from swapopt.operate import SwapOptimizerOperate
 from swapopt.overlap import ForwardWaits
@@ -130,7 +118,7 @@ def _refuse(optimizer: Any, per_param: bool) -> None:
 _WRAPPERS: weakref.WeakKeyDictionary[torch.optim.Optimizer, weakref.ref] = weakref.WeakKeyDictionary()
 
 
-def _claim(optimizer: torch.optim.Optimizer, wrapper: SwapOptimizer) -> None:
+def _claim(optimizer: torch.optim.Optimizer, wrapper: "SwapOptimizer") -> None:
     """Make ``wrapper`` the one SwapOptimizer of ``optimizer``, refusing a second one while the first lives."""
     ref = _WRAPPERS.get(optimizer)
     first = ref() if ref is not None else None

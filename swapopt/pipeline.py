@@ -26,20 +26,19 @@ reached, which the failure path (swapopt.recovery, Note [failure semantics]) rea
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterable, Iterator
 
 import torch
 
 import device
 from swapopt import direct, flat, hoststate, inner, internals, recovery, subclass_state
 from swapopt.arena import itemsize
+from swapopt.hoststate import is_swapped_state, local, new_host_like, wrap_like
 from swapopt.context import StepContext
 from swapopt.cut_pieces import CutPieces
 from swapopt.direct import DirectStep
 from swapopt.flat import FlatStep
-from swapopt.hoststate import is_swapped_state, local, new_host_like, wrap_like
 from swapopt.layout import GRAD, HostLayout, Prepared, Region, same_objects
 from swapopt.masters import MASTER
 
@@ -151,7 +150,7 @@ class ChunkInputs:
     is stood for by its master's view into the slot, so the inputs hold only for the views they were made
     with (``views``)."""
 
-    def __init__(self, run: StepRun, k: int, views: Any) -> None:
+    def __init__(self, run: "StepRun", k: int, views: Any) -> None:
         prep = run.prep
         self.targets: list[torch.Tensor] = []
         self.bound: list[tuple[int, int, torch.Tensor, int]] = []  # flat pieces: (position, param index, local param, its address)
@@ -220,7 +219,7 @@ class ChunkInputs:
         self.cut_pieces: CutPieces | None = None  # the cut positions' entries (Note [cut pieces])
 
     def _group_copies(
-        self, run: StepRun, pieces: Any, positions: list[int]
+        self, run: "StepRun", pieces: Any, positions: list[int]
     ) -> tuple[list[int], list[list[torch.Tensor]], list[dict]]:
         """For the pieces at ``positions``: the indices of their param groups, in order, each group's targets (in
         piece order), and a copy of each group over them."""
@@ -323,7 +322,7 @@ class ScalarWatch:
     rows: list[list[tuple[int, list[torch.Tensor], list[int]]]]  # per chunk: (stack, its states, their rows)
 
     @classmethod
-    def of(cls, prep: Prepared, state: Any) -> ScalarWatch:
+    def of(cls, prep: Prepared, state: Any) -> "ScalarWatch":
         stacks: dict[tuple, list[tuple[int, torch.Tensor]]] = defaultdict(list)
         watch = cls([], [], [], [], [], [], [], [])
         for k, chunk in enumerate(prep.plan.chunks):
@@ -441,9 +440,7 @@ class StepRun:
             self.pending.clear()
             self.progress.clear()
             self.layout.pre_hosts = {}
-            if self.capturing:  # nothing ran on the device: nothing to recover or wait for (Note [graphed step])
-                op.abandon_capture()
-            else:
+            if not self.capturing:  # else nothing ran on the device: GraphedStep.capture lets the staging go
                 op.release_staging()
             recovery.drop_frames(exc)
             raise
