@@ -44,7 +44,7 @@ RAMP_MIN_CHUNKS = 8
 # but not the bound: how many chunks (fewer, larger ones up to the bound), whether to ramp the first chunks up
 # and the last ones down (Note [ramp]), and whether to keep params whole with extra chunks or cut them. Each
 # costs chunks or copies, and each chunk and copy costs time that moves no bytes: its direction's latency per
-# copy (on the H100 an H2D copy waits 28 us, a D2H one 2 us: SimPreset.latency_us) and the host's time to
+# copy (on the H100 2.7 us H2D, 1.7 us D2H once queued: SimPreset.latency_us) and the host's time to
 # issue a chunk (its launches and Python). Given the device's costs (``LinkCosts``: from the simulator's preset,
 # a calibrated preset file, or the h100/910b figures, swapopt.costs), make_plan builds the plans these choices
 # allow, at a few budgets from the even split up to the bound, and keeps the one whose modeled time

@@ -30,7 +30,8 @@ def test_costs_come_from_the_simulators_preset():
     # a chunk with cut pieces: their own call and step clones, and a chunk's Python (Note [cut chunks])
     assert got.host_cut_chunk_us == costs.CUT_CHUNK_LAUNCHES * p.launch_us + costs.PYTHON_CHUNK_US
     h100 = costs._named("h100")
-    assert h100.latency_us("h2d") > 10 * h100.latency_us("d2h")  # the H100's H2D copies wait far longer
+    # the H100's queued copies: H2D waits longer than D2H, both a few us (Note [queued copies])
+    assert h100.latency_us("d2h") < h100.latency_us("h2d") < 5.0
     assert h100.both_bytes_per_us("h2d", 256 << 20) == pytest.approx(PRESETS["h100"].both_gbps("h2d", 256 << 20) * 1e3)
 
 

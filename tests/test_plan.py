@@ -279,7 +279,8 @@ def test_tail_makes_the_last_chunks_smaller():
 
 # ----- Note [chunk count from costs] -------------------------------------------------------------------------
 H100_LIKE = LinkCosts(copy_latency_us=15.0, h2d_gbps=55.0, d2h_gbps=55.0, duplex_gbps=105.0, host_chunk_us=55.0)
-# The h100 preset's link as swapopt.costs reads it: H2D copies pay 28 us of latency, D2H ones 2 us; with both
+# The h100 preset's link as its first calibration had it (H2D copies paying 28 us of latency, the host's pace at
+# 1 MB; D2H ones 2 us), a link where latency weighs: with both
 # busy, copies up to 16 MiB keep 55 GB/s in and 50 GB/s out.
 H100 = LinkCosts(
     copy_latency_us=15.1, h2d_gbps=55.16, d2h_gbps=55.13, duplex_gbps=105.35, host_chunk_us=54.68,

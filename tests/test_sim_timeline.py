@@ -65,12 +65,15 @@ def test_opposite_copies_on_two_streams_share_the_link(sim_no_launch):
     h2d, d2h = sim.timeline
     # The H2D, scheduled first with nothing beside it, runs at its full rate.
     assert h2d.end_us - h2d.start_us == pytest.approx(H2D_US)
-    # The D2H runs alone until the H2D's bytes start flowing, then at its rate with both busy for its size.
+    # The D2H runs alone until the H2D's bytes start flowing, then at its rate with both busy for its size until
+    # the H2D is done, then alone again.
     both = H100.both_gbps("d2h", BYTES) * 1e3
     assert both < D2H_RATE
     alone = (H2D_LAT - D2H_LAT) * D2H_RATE
+    beside = (H2D_US - H2D_LAT) * both  # what it moves while the H2D's bytes flow
+    assert alone + beside < BYTES  # this D2H outlasts the H2D
     assert d2h.start_us == h2d.start_us  # launched at the same host time: launches cost none here
-    assert d2h.end_us - d2h.start_us == pytest.approx(H2D_LAT + (BYTES - alone) / both)
+    assert d2h.end_us - d2h.start_us == pytest.approx(H2D_US + (BYTES - alone - beside) / D2H_RATE)
     # Overlap still pays, but not the full duplex: at least both copies' bytes through the most the link carries.
     assert D2H_LAT + 2 * BYTES / (H100.duplex_gbps * 1e3) <= _span(sim) < H2D_US + D2H_US
 

@@ -149,7 +149,9 @@ def test_calibration_reads_the_simulators_figures_back(odd_calibration):
     assert f.hbm_gbps == pytest.approx(2000.0, rel=1e-3)
     assert f.bf16_tflops == pytest.approx(500.0, rel=1e-3)
     assert f.launch_us == pytest.approx(4.0, rel=1e-3)
-    assert f.duplex_gbps == pytest.approx(70.0, rel=0.02)
+    # The cap is the most the table's rows carry together; each row comes back within 5% (below): the windows'
+    # edges are worked out at the alone rates, which the "sized" rule departs from while the other direction drains.
+    assert f.duplex_gbps == max(h + d for _, h, d in f.duplex_table) == pytest.approx(70.0, rel=0.05)
     # Under the preset's table neither direction keeps its rate with both busy: each moves at the table's.
     assert f.keeps_rate == "neither"
     assert [row[1:] for row in f.duplex_table] == [pytest.approx((30.0, 40.0), rel=0.05)] * len(SMALL.copy_sizes)

@@ -74,6 +74,17 @@ _GRAPH_NODE_GAP = (
     "rate); 1.15 taken. Awaits a calibration by python -m swapopt.verify"
 )
 
+# Copy latency, the device's own (Note [queued copies] in swapopt/verify/calibrate.py): pinned copies of 256 KB-64
+# MB queued behind a sleeping kernel so the host had issued them all before the first ran, each direction alone
+# and on one stream, median of 3 runs of 8-64 copies (bench/results/cuda-h100-2026-11-27-copy-latency.{md,json}).
+# Fitted in relative error at the line fit's rates: H2D 2.72 us, D2H 1.70 us a copy. The first calibration
+# (verify-a.json) timed copies as the host issued them and fitted H2D 28.3 us, D2H 2.0: at 1 MB its H2D copies took
+# 47 us each where queued ones take 22, the host's pace rather than the device's, which the simulator charges
+# apart (its host clock).
+_H100_LATENCY = {"h2d": 2.7175823898514424, "d2h": 1.7012219699448172}
+_H100_LATENCY_RUN = ("measured on one H100 80GB HBM3, torch 2.11.0+cu130, 2026-11-27, copies queued behind a "
+                     "sleeping kernel (bench/results/cuda-h100-2026-11-27-copy-latency.md)")
+
 # The H100 host's time per tensor argument: tiny10k's resident fused AdamW step, 34.792 ms, is the host's (the
 # device works 13 us of it): 2 launches, then 59,996 tensors beyond two per op (Note [host clock]).
 _TINY10K_HOST_TENSOR_US = (34_792.0 - 2 * 6.170815944671631 - 13.3) / 59_996
@@ -88,13 +99,13 @@ PRESETS: dict[str, SimPreset] = {
         h2d_gbps=55.16,
         d2h_gbps=55.13,
         duplex_gbps=105.35,
-        copy_latency_us=15.10,
-        h2d_latency_share=0.9354,
+        copy_latency_us=2.21,
+        h2d_latency_share=0.6150,
         link_sharing="sized",
         duplex_table=(
-            (16 * MiB, 55.16, 50.19),
-            (256 * MiB, 34.60, 47.08),
-            (1024 * MiB, 44.14, 51.61),
+            (16 * MiB, 51.78, 50.17),
+            (256 * MiB, 34.48, 47.08),
+            (1024 * MiB, 44.09, 51.61),
         ),
         hbm_gbps=3075.4,
         bf16_tflops=793.7,
@@ -118,8 +129,8 @@ PRESETS: dict[str, SimPreset] = {
             "h2d_gbps": 55.160927335100055,
             "d2h_gbps": 55.12678529955366,
             "duplex_gbps": 105.34930268607675,
-            "copy_latency_us": 15.102821828748835,
-            "h2d_latency_share": 0.9353884206277072,
+            "copy_latency_us": (_H100_LATENCY["h2d"] + _H100_LATENCY["d2h"]) / 2,
+            "h2d_latency_share": _H100_LATENCY["h2d"] / (_H100_LATENCY["h2d"] + _H100_LATENCY["d2h"]),
             "hbm_gbps": 3075.3742416380114,
             "bf16_tflops": 793.7217666453665,
             "launch_us": 6.170815944671631,
@@ -133,15 +144,13 @@ PRESETS: dict[str, SimPreset] = {
             "d2h_gbps": f"{_H100_MEASURED}: pinned copies 1 MB-1 GB, slope of the line fit (verify-a.json)",
             "duplex_gbps": f"{_H100_MEASURED}: the most duplex_table's rows carry together (16 MB copies); "
             "the cap the run's file names, 95.9, is the 1 GB copies' (verify-a.json)",
-            "copy_latency_us": f"{_H100_MEASURED}: mean of the two directions' latencies, each fitted to the per-copy "
-            "times in relative error at the line fit's rate, so small copies keep their rate: H2D 28.3 us, D2H "
-            "2.0 us (1 MB: H2D 22.1 GB/s, D2H 50.0 GB/s); the line fit's intercept, 21.0, fits the large copies "
-            "and gives 1 MB D2H copies half their rate (verify-a.json)",
-            "h2d_latency_share": f"{_H100_MEASURED}: H2D's part of the two latencies, 28.3 / (28.3 + 2.0)",
+            "copy_latency_us": f"{_H100_LATENCY_RUN}: mean of the two directions' latencies, H2D 2.72 us, D2H "
+            "1.70 us, each fitted in relative error at the line fit's rate to the per-copy times of queued copies",
+            "h2d_latency_share": f"{_H100_LATENCY_RUN}: H2D's part of the two latencies, 2.72 / (2.72 + 1.70)",
             "duplex_table": f"{_H100_MEASURED}: both directions at once, 16 MB-1 GB copies, the two issue orders "
-            "averaged (16 MB: 51.3 + 49.9 GB/s, 256 MB: 34.5 + 47.1, 1 GB: 44.1 + 51.6 as measured), each "
-            "direction's latency taken out, capped at its rate alone; 1 MB is left out: there H2D moved 32 or 75 "
-            "GB/s beside D2H depending on issue order (verify-a.json)",
+            "averaged (16 MB: 51.5 + 49.9 GB/s, 256 MB: 34.5 + 47.1, 1 GB: 44.1 + 51.6 as measured), each "
+            "direction's latency (copy_latency_us) taken out, capped at its rate alone; 1 MB is left out: there H2D "
+            "moved 32 or 75 GB/s beside D2H depending on issue order (verify-a.json)",
             "hbm_gbps": f"{_H100_MEASURED}: fused AdamW step 1,000,000-100,000,000 params, slope, 32 B/param as "
             "the simulator charges it (verify-a.json)",
             "bf16_tflops": f"{_H100_MEASURED}: bf16 matmul 8192^3, 1.385 ms (verify-a.json)",

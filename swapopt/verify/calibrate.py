@@ -19,6 +19,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from loguru import logger
@@ -92,8 +93,39 @@ def _event() -> object:
     return device.get_torch_device_module().Event(enable_timing=True)
 
 
-def _copy_runs(nbytes: int, repeats: int) -> tuple[dict[str, float], list[DuplexPoint]]:
-    """Per-copy ms of each direction alone, and the rates of both at once in either issue order."""
+# Note [queued copies]: a copy's latency is the device's time per copy beyond its bytes; the host's time to issue
+# it is another figure, which the simulator charges apart (Note [host clock] in device/sim/timeline.py). Copies
+# timed as the host issues them measure the host's pace wherever it is slower than the device's: on the H100 a
+# 1 MB H2D copy took 47 us issued one after another from Python and 22 us queued, whose line fit gives 28.3 us of
+# latency against 2.7 (bench/results/cuda-h100-2026-11-27-copy-latency.md). So every timed run of copies waits
+# for a head start: one copy of HEAD_START_BYTES on a stream of its own (4.9 ms on an H100), during which the host
+# issues every timed copy, so none waits for the host once the first has begun.
+HEAD_START_BYTES = 256 << 20
+
+
+class _HeadStart:
+    """A long copy that the timed copies' streams wait for (Note [queued copies])."""
+
+    def __init__(self, nbytes: int = HEAD_START_BYTES) -> None:
+        numel = max(nbytes // 4, 1)
+        self.mod = device.get_torch_device_module()
+        self.host = device.pinned_empty((numel,), dtype=torch.float32)
+        self.host.zero_()
+        self.buf = torch.empty(numel, dtype=torch.float32, device=device.torch_device())
+        self.stream = self.mod.Stream()
+
+    def start(self) -> Any:
+        """An event recorded at the end of a fresh head-start copy: the timed copies' origin."""
+        with self.mod.stream(self.stream):
+            self.buf.copy_(self.host, non_blocking=True)
+        done = _event()
+        done.record(self.stream)
+        return done
+
+
+def _copy_runs(nbytes: int, repeats: int, head: _HeadStart) -> tuple[dict[str, float], list[DuplexPoint]]:
+    """Per-copy ms of each direction alone, and the rates of both at once in either issue order, each run
+    queued behind the head start."""
     mod = device.get_torch_device_module()
     numel = max(nbytes // 4, 1)
     host = {d: device.pinned_empty((numel,), dtype=torch.float32) for d in DIRECTIONS}
@@ -112,24 +144,22 @@ def _copy_runs(nbytes: int, repeats: int) -> tuple[dict[str, float], list[Duplex
                 host[d].copy_(buf[d], non_blocking=True)
 
     def alone(d: str) -> float:
-        """ms per copy once the stream is busy: timed from the end of the first copy, so the launch of the
-        first one (host time before any byte moves) is not in it."""
+        """ms per copy of `repeats` copies queued behind the head start (Note [queued copies])."""
         mod.synchronize()
-        copy(d)
+        streams[d].wait_event(head.start())
         start, end = _event(), _event()
         start.record(streams[d])
-        for _ in range(repeats - 1):
+        for _ in range(repeats):
             copy(d)
         end.record(streams[d])
         end.synchronize()
-        return start.elapsed_time(end) / (repeats - 1)
+        return start.elapsed_time(end) / repeats
 
     def both(order: tuple[str, str]) -> dict[str, tuple[float, float]]:
         """(start, end) ms of each direction's copies, issued in turn with `order[0]` leading each pair, from
         one common origin."""
         mod.synchronize()
-        origin = _event()
-        origin.record()
+        origin = head.start()
         starts = {}
         for d in order:
             streams[d].wait_event(origin)
@@ -173,9 +203,10 @@ def _duplex(spans: dict[str, tuple[float, float]], alone_rate: dict[str, float],
 
 def measure_copies(sizes: list[int], target_bytes: int, on_done: Callable[[], None] = lambda: None) -> list[CopyPoint]:
     points = []
+    head = _HeadStart()
     for nbytes in sizes:
         repeats = int(min(max(round(target_bytes / nbytes), 3), 64))
-        per_copy, both = _copy_runs(nbytes, repeats)
+        per_copy, both = _copy_runs(nbytes, repeats, head)
         points.append(CopyPoint(
             nbytes=nbytes, repeats=repeats, h2d_ms=per_copy["h2d"], d2h_ms=per_copy["d2h"],
             h2d_gbps=nbytes / (per_copy["h2d"] * 1e6), d2h_gbps=nbytes / (per_copy["d2h"] * 1e6), both=both,
