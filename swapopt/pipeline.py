@@ -291,6 +291,17 @@ class ChunkInputs:
             self.targets[pos].grad = None
 
 
+# Note [snapshot batches]: the failure path's copy of the step counts (StepRun.snapshot_scalars) is a stack of
+# them, whose host cost grows with the tensors it stacks (torch.stack's launcher walks every one: 3,282 step counts
+# of the 3,299-tensor MoE layout cost the simulated H100 host 1.9 ms). Taken as one stack before the first update,
+# as it was, that cost sat between the first two swap-ins and the rest of the step, and the link idled for it
+# (1.7 ms of a 19 ms step). So the chunks are stacked in batches, each just before the update of its first chunk:
+# the first batch up to SNAPSHOT_FIRST_BATCH tensors, each later one up to twice the one before (always at least
+# one chunk), so a batch's host cost grows as the copies already queued ahead of it do (ramp chunks double too,
+# Note [ramp] in swapopt.plan), and a plan stacks in a few launches: 2 for 291 step counts, 5 for 3,282.
+SNAPSHOT_FIRST_BATCH = 256
+
+
 class ScalarRows:
     """Rows of a snapshot stack (StepRun.snapshot_scalars), cut out when iterated: only a failing update reads
     them back (Note [failure semantics]), so a step that succeeds makes no view per tensor."""
@@ -318,15 +329,18 @@ class ScalarWatch:
     owners: list[dict]  # the state dicts, each once
     lens: list[int]  # and their lengths
     bounds: list[tuple[int, int, int, int]]  # per chunk: its entries [a, b) and its owners [c, d)
-    stacks: list[list[torch.Tensor]]  # per (device, dtype, shape): the tensor states, stacked by a snapshot
-    rows: list[list[tuple[int, list[torch.Tensor], list[int]]]]  # per chunk: (stack, its states, their rows)
+    batches: list[tuple[int, int]]  # the chunks [first, stop) one snapshot stacks together (Note [snapshot batches])
+    batch_of: list[int]  # per chunk: its batch
+    stacks: list[list[list[torch.Tensor]]]  # per batch, per (device, dtype, shape): the tensor states to stack
+    rows: list[list[tuple[int, list[torch.Tensor], list[int]]]]  # per chunk: (its batch's stack, its states, rows)
 
     @classmethod
     def of(cls, prep: Prepared, state: Any) -> "ScalarWatch":
-        stacks: dict[tuple, list[tuple[int, torch.Tensor]]] = defaultdict(list)
-        watch = cls([], [], [], [], [], [], [], [])
-        for k, chunk in enumerate(prep.plan.chunks):
+        watch = cls([], [], [], [], [], [], [], [], [], [])
+        per_chunk: list[dict[tuple, list[torch.Tensor]]] = []  # per chunk, per (device, dtype, shape)
+        for chunk in prep.plan.chunks:
             a, c = len(watch.values), len(watch.owners)
+            tensors: dict[tuple, list[torch.Tensor]] = defaultdict(list)
             for piece in chunk.pieces:
                 p = prep.params[piece.index]
                 own = state.get(p)
@@ -338,20 +352,36 @@ class ScalarWatch:
                     if tensor and is_swapped_state(p, key, value):
                         continue
                     if tensor:
-                        stacks[(value.device, value.dtype, value.shape)].append((k, value))
+                        tensors[(value.device, value.dtype, value.shape)].append(value)
                     watch.dicts.append(own)
                     watch.keys.append(key)
                     watch.values.append(value)
             watch.bounds.append((a, len(watch.values), c, len(watch.owners)))
+            per_chunk.append(tensors)
         watch.lens = list(map(len, watch.owners))
-        watch.stacks = [[value for _, value in members] for members in stacks.values()]
-        per_chunk: list[dict[int, tuple[list, list]]] = [{} for _ in prep.plan.chunks]
-        for si, members in enumerate(stacks.values()):
-            for row, (k, value) in enumerate(members):
-                own, rows = per_chunk[k].setdefault(si, ([], []))
-                own.append(value)
-                rows.append(row)
-        watch.rows = [[(si, own, rows) for si, (own, rows) in chunk.items()] for chunk in per_chunk]
+        cap, k = SNAPSHOT_FIRST_BATCH, 0
+        while k < len(per_chunk):  # Note [snapshot batches]
+            stop, size = k + 1, sum(map(len, per_chunk[k].values()))
+            while stop < len(per_chunk) and size + sum(map(len, per_chunk[stop].values())) <= cap:
+                size += sum(map(len, per_chunk[stop].values()))
+                stop += 1
+            watch.batches.append((k, stop))
+            k, cap = stop, 2 * cap
+        for b, (first, stop) in enumerate(watch.batches):
+            keys: dict[tuple, int] = {}
+            stacks: list[list[torch.Tensor]] = []
+            for j in range(first, stop):
+                rows = []
+                for key, values in per_chunk[j].items():
+                    si = keys.setdefault(key, len(stacks))
+                    if si == len(stacks):
+                        stacks.append([])
+                    start = len(stacks[si])
+                    stacks[si].extend(values)
+                    rows.append((si, values, list(range(start, start + len(values)))))
+                watch.rows.append(rows)
+                watch.batch_of.append(b)
+            watch.stacks.append(stacks)
         return watch
 
     def changed(self) -> set[int]:
@@ -654,6 +684,7 @@ class StepRun:
         with op.updating(k):
             if self.snapshots is None:  # on the stream of the step's first update, before any of them
                 self.snapshots = self.snapshot_scalars()
+            snapshot = self.chunk_snapshot(k)
             kept = ci.take_states(views, self.stale is not None and k not in self.stale) if ci.keeps else None
             if kept is not None:  # the dicts of the last step stand for the states as they are
                 chunk_state, handed = kept
@@ -671,7 +702,7 @@ class StepRun:
                     cuts = ci.cut_pieces = None  # tried again at the next step: the dicts may have changed
                     cut_state = self.made_states(k, ci.cut, targets)
             groups = ci.refresh(self.ctx)
-            progress["scalars"] = self.snapshots[k]
+            progress["scalars"] = snapshot
             progress["stage"] = ("update", k)
             fast = ci.direct if self.direct_ok and kept is not None and ci.direct_for is chunk_state else None
             flat = ci.flat if fast is not None else None
@@ -750,22 +781,33 @@ class StepRun:
                 made[t] = pst
         return made
 
-    def snapshot_scalars(self) -> list[list]:
-        """Per chunk: (own tensors, copies) of the scalar tensor states (step counts) that its update steps
-        in place, so that a failing update can put them back (Note [failure semantics]). Those are the
-        existing non-swapped tensor states of params stepped whole (a split param's pieces step clones).
-        Taken once per step, before the first update, as one stack per device, dtype and shape: one copy
-        launch per step rather than one per chunk, and no per-tensor work (the copies are the stack's rows,
-        cut out only by a failure, see ScalarRows). Also sets ``stale``, the chunks whose whole params'
-        non-swapped states changed since the last step (all of them: None)."""
+    def snapshot_scalars(self) -> list[list | None]:
+        """Per chunk, once its batch is stacked: (own tensors, copies) of the scalar tensor states (step counts) that
+        its update steps in place, so that a failing update can put them back (Note [failure semantics]). Those are
+        the existing non-swapped tensor states of params stepped whole (a split param's pieces step clones). The
+        copies are rows of one stack per batch of chunks, device, dtype and shape (Note [snapshot batches]), cut out
+        only by a failure (ScalarRows); a batch is stacked before the update of its first chunk (chunk_snapshot).
+        Also sets ``stale``, the chunks whose whole params' non-swapped states changed since the last step (all of
+        them: None), once, before the first update."""
         prep = self.prep
         watch = prep.scalars
         self.stale = watch.changed() if watch is not None else None
         if self.stale is None or self.stale:
             self.steady = False
             watch = prep.scalars = ScalarWatch.of(prep, self.ctx.state)
-        stacked = [torch.stack(values) for values in watch.stacks]
-        return [[(own, ScalarRows(stacked[si], rows)) for si, own, rows in chunk] for chunk in watch.rows]
+        return [None] * len(watch.rows)
+
+    def chunk_snapshot(self, k: int) -> list:
+        """Chunk k's snapshot (snapshot_scalars), its batch stacked now if it was not yet: on the update stream,
+        before any update of that batch's chunks, which alone change their scalars."""
+        snapshots = self.snapshots
+        if snapshots[k] is None:
+            watch = self.prep.scalars
+            first, stop = watch.batches[watch.batch_of[k]]
+            stacked = [torch.stack(values) for values in watch.stacks[watch.batch_of[k]]]
+            for j in range(first, stop):
+                snapshots[j] = [(own, ScalarRows(stacked[si], rows)) for si, own, rows in watch.rows[j]]
+        return snapshots[k]
 
     def step_made(self, order: list[int], members: list[list[torch.Tensor]], groups: list[dict], chunk_state: dict,
                   masters: bool) -> None:  # fmt: skip

@@ -155,3 +155,75 @@ def test_fault_at_every_stage(stage, fail_step, name, monkeypatch):
     finally:
         logger.remove(handle)
         logger.disable("swapopt")
+
+
+def test_a_failed_update_in_a_later_snapshot_batch_gets_its_step_counts_back(monkeypatch):
+    """700 params, so that the failure path's snapshot of the step counts is stacked in batches (Note [snapshot
+    batches]): the last chunk's update runs (its step counts advance in place) and then raises, after the earlier
+    batches' chunks were stepped. That chunk's step counts are put back from its batch's stack; every other param
+    is stepped; the failed chunk's params are named; later steps match a reference that adopts the outcome."""
+    messages: list[str] = []
+    handle = logger.add(lambda m: messages.append(str(m)), level="ERROR")
+    logger.enable("swapopt")
+    try:
+        with simulator.activate():
+            torch.manual_seed(0)
+            ps = [torch.nn.Parameter(torch.randn(64)) for _ in range(700)]
+            rs = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+            make = MAKERS["adamw_foreach"]
+            opt, ref = SwapOptimizer(make(ps), swap_optimizer_times=8), make(rs)
+            for _ in range(2):
+                _grads(ps, rs)
+                opt.step()
+                ref.step()
+            opt.wait_for_swap_out()
+            watch = opt._layout.prepared.scalars
+            assert len(watch.batches) >= 2, watch.batches
+            plan = opt._layout.prepared.plan
+            k = len(plan.chunks) - 1  # in the last batch: every earlier batch was stacked and its chunks stepped
+            assert watch.batch_of[k] == len(watch.batches) - 1 > watch.batch_of[0]
+            failed = {pc.index for pc in plan.chunks[k].pieces}
+            calls = []
+            real = opt._step_fn
+
+            def step_then_raise(*args, **kwargs):
+                calls.append(1)
+                out = real(*args, **kwargs)
+                if len(calls) == k + 1:
+                    raise Boom("after the inner step")
+                return out
+
+            monkeypatch.setattr(opt, "_step_fn", step_then_raise)
+            _grads(ps, rs)
+            old = snapshot_params(rs, ref.state)
+            counts = {i: opt.state[p]["step"].item() for i, p in enumerate(ps)}
+            with pytest.raises(Boom):
+                opt.step()
+            assert len(calls) == k + 1
+            monkeypatch.undo()
+            ref.step()
+            stepped = snapshot_params(rs, ref.state)
+            opt.wait_for_swap_out()
+            for i, p in enumerate(ps):  # the failed chunk's counts put back, every other one advanced
+                assert opt.state[p]["step"].item() == counts[i] + (i not in failed), i
+            named = {i for i, p in enumerate(ps) if any(f"of shape {tuple(p.shape)}" in m for m in messages)}
+            assert named or not failed
+            for i, (p, r) in enumerate(zip(ps, rs)):
+                st = opt.state.get(p, {})
+                if matches_snapshot(p, st, stepped[i]):
+                    assert i not in failed, i
+                    continue
+                assert i in failed, f"param {i} is not stepped"
+                if matches_snapshot(p, st, old[i]):
+                    adopt(r, ref.state, *old[i])
+                else:  # the update wrote the param in place before raising: named, the reference adopts it
+                    adopt(r, ref.state, p.detach(), st)
+            _grads(ps, rs)
+            opt.step()
+            ref.step()
+            opt.wait_for_swap_out()
+            for i, (p, r) in enumerate(zip(ps, rs)):
+                assert matches_snapshot(p, opt.state.get(p, {}), snapshot_params([r], ref.state)[0]), f"param {i}"
+    finally:
+        logger.remove(handle)
+        logger.disable("swapopt")
