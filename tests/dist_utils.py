@@ -136,6 +136,18 @@ def adopt(r, ref_state, value, states) -> None:
         }  # fmt: skip
 
 
+def assert_steps_match(opt, ref, params, refs, grads, steps: int = 1) -> None:
+    """After a failed step (and the reference's adoption of its outcome): ``steps`` more steps of both, each with
+    ``grads(params, refs)``, leave every param and state bitwise the reference's."""
+    for _ in range(steps):
+        grads(params, refs)
+        opt.step()
+        ref.step()
+    opt.wait_for_swap_out()
+    for i, (p, r) in enumerate(zip(params, refs)):
+        assert matches_snapshot(p, opt.state.get(p, {}), snapshot_params([r], ref.state)[0]), f"param {i}"
+
+
 def forward_backward(model: nn.Module, step: int) -> None:
     g = torch.Generator().manual_seed(step)
     model(torch.randn(4, 16, generator=g)).pow(2).mean().backward()

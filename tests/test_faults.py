@@ -12,7 +12,7 @@ import gc
 
 import pytest
 import torch
-from dist_utils import adopt, matches_snapshot, snapshot_params
+from dist_utils import adopt, assert_steps_match, matches_snapshot, snapshot_params
 from loguru import logger
 
 import device
@@ -218,12 +218,7 @@ def test_a_failed_update_in_a_later_snapshot_batch_gets_its_step_counts_back(mon
                     adopt(r, ref.state, *old[i])
                 else:  # the update wrote the param in place before raising: named, the reference adopts it
                     adopt(r, ref.state, p.detach(), st)
-            _grads(ps, rs)
-            opt.step()
-            ref.step()
-            opt.wait_for_swap_out()
-            for i, (p, r) in enumerate(zip(ps, rs)):
-                assert matches_snapshot(p, opt.state.get(p, {}), snapshot_params([r], ref.state)[0]), f"param {i}"
+            assert_steps_match(opt, ref, ps, rs, _grads)
     finally:
         logger.remove(handle)
         logger.disable("swapopt")

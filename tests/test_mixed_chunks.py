@@ -11,7 +11,7 @@ import gc
 
 import pytest
 import torch
-from dist_utils import adopt, matches_snapshot, snapshot_params
+from dist_utils import adopt, assert_steps_match, matches_snapshot, snapshot_params
 from loguru import logger
 
 import simdevice as simulator
@@ -171,13 +171,7 @@ def test_a_fault_in_either_call_of_a_mixed_chunk(which, monkeypatch):
                     continue
                 assert i in named and i in failing, f"param {i} is neither stepped nor untouched"
                 adopt(r, ref.state, p.detach(), st)
-            for _ in range(2):  # the optimizer stays usable, and bitwise the reference from there
-                _grads(ps, rs)
-                opt.step()
-                ref.step()
-            opt.wait_for_swap_out()
-            for i, (p, r) in enumerate(zip(ps, rs)):
-                assert matches_snapshot(p, opt.state.get(p, {}), snapshot_params([r], ref.state)[0]), f"param {i}"
+            assert_steps_match(opt, ref, ps, rs, _grads, steps=2)  # usable, and bitwise the reference from there
     finally:
         logger.remove(handle)
         logger.disable("swapopt")
