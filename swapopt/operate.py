@@ -82,9 +82,9 @@ class _Updating:
     """The block of SwapOptimizerOperate.updating, a class rather than a generator: it is entered once a chunk. Inside
     it, the profiler range ``label`` where the step opens ranges (step_range)."""
 
-    __slots__ = ("here", "k", "label", "op", "range", "stream")
+    __slots__ = ("op", "k", "label", "stream", "here", "range")
 
-    def __init__(self, op: SwapOptimizerOperate, k: int | None, label: str) -> None:
+    def __init__(self, op: "SwapOptimizerOperate", k: int | None, label: str) -> None:
         self.op, self.k, self.label, self.stream, self.here, self.range = op, k, label, None, None, None
 
     def __enter__(self) -> None:

@@ -26,7 +26,7 @@ reached, which the failure path (swapopt.recovery, Note [failure semantics]) rea
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
 
 import torch
@@ -323,20 +323,30 @@ class ScalarWatch:
     kept on the Prepared (``scalars``): which tensors a step snapshots, and what tells whether the dicts
     still hold them. Worked out once per plan; a step checks it in one C-level pass."""
 
-    dicts: list[dict]  # per entry: the state dict holding it,
-    keys: list[str]  # its key
-    values: list[Any]  # and its value
-    owners: list[dict]  # the state dicts, each once
-    lens: list[int]  # and their lengths
-    bounds: list[tuple[int, int, int, int]]  # per chunk: its entries [a, b) and its owners [c, d)
-    batches: list[tuple[int, int]]  # the chunks [first, stop) one snapshot stacks together (Note [snapshot batches])
-    batch_of: list[int]  # per chunk: its batch
-    stacks: list[list[list[torch.Tensor]]]  # per batch, per (device, dtype, shape): the tensor states to stack
-    rows: list[list[tuple[int, list[torch.Tensor], list[int]]]]  # per chunk: (its batch's stack, its states, rows)
+    # per entry: the state dict holding it
+    dicts: list[dict] = field(default_factory=list)
+    # per entry: its key
+    keys: list[str] = field(default_factory=list)
+    # per entry: its value
+    values: list[Any] = field(default_factory=list)
+    # the state dicts, each once
+    owners: list[dict] = field(default_factory=list)
+    # the owners' lengths
+    lens: list[int] = field(default_factory=list)
+    # per chunk: its entries [a, b) and its owners [c, d)
+    bounds: list[tuple[int, int, int, int]] = field(default_factory=list)
+    # the chunks [first, stop) one snapshot stacks together (Note [snapshot batches])
+    batches: list[tuple[int, int]] = field(default_factory=list)
+    # per chunk: its batch
+    batch_of: list[int] = field(default_factory=list)
+    # per batch, per (device, dtype, shape): the tensor states to stack
+    stacks: list[list[list[torch.Tensor]]] = field(default_factory=list)
+    # per chunk: (its batch's stack, its states, rows)
+    rows: list[list[tuple[int, list[torch.Tensor], list[int]]]] = field(default_factory=list)
 
     @classmethod
     def of(cls, prep: Prepared, state: Any) -> "ScalarWatch":
-        watch = cls([], [], [], [], [], [], [], [], [], [])
+        watch = cls()
         per_chunk: list[dict[tuple, list[torch.Tensor]]] = []  # per chunk, per (device, dtype, shape)
         for chunk in prep.plan.chunks:
             a, c = len(watch.values), len(watch.owners)
@@ -359,11 +369,12 @@ class ScalarWatch:
             watch.bounds.append((a, len(watch.values), c, len(watch.owners)))
             per_chunk.append(tensors)
         watch.lens = list(map(len, watch.owners))
+        counts = [sum(map(len, tensors.values())) for tensors in per_chunk]
         cap, k = SNAPSHOT_FIRST_BATCH, 0
         while k < len(per_chunk):  # Note [snapshot batches]
-            stop, size = k + 1, sum(map(len, per_chunk[k].values()))
-            while stop < len(per_chunk) and size + sum(map(len, per_chunk[stop].values())) <= cap:
-                size += sum(map(len, per_chunk[stop].values()))
+            stop, size = k + 1, counts[k]
+            while stop < len(per_chunk) and size + counts[stop] <= cap:
+                size += counts[stop]
                 stop += 1
             watch.batches.append((k, stop))
             k, cap = stop, 2 * cap
@@ -721,10 +732,11 @@ class StepRun:
                     and cuts.run_direct(ci.cut_members, ci.cut_groups, cut_state, self.ctx.optimizer)
                 )  # fmt: skip
                 if not cut_direct:
-                    # steady still where the inner step left the dicts made from the plan's entries as handed
-                    handed_cut = self.handed(cut_state)
+                    # steady still where the inner step left the dicts made from the plan's entries as handed; only
+                    # step_graph reads steady, so only then is what was handed listed
+                    handed_cut = self.handed(cut_state) if self.in_place_scalars else None
                     self.step_made(ci.cut_order, ci.cut_members, ci.cut_groups, cut_state, False)
-                    if not self.stepped_in_place(cut_state, handed_cut):
+                    if handed_cut is not None and not self.stepped_in_place(cut_state, handed_cut):
                         self.steady = False
             ci.unbind()  # the update is issued: the cached views let go of this step's grads
             progress["stage"] = ("output", k)
@@ -803,8 +815,9 @@ class StepRun:
         snapshots = self.snapshots
         if snapshots[k] is None:
             watch = self.prep.scalars
-            first, stop = watch.batches[watch.batch_of[k]]
-            stacked = [torch.stack(values) for values in watch.stacks[watch.batch_of[k]]]
+            b = watch.batch_of[k]
+            first, stop = watch.batches[b]
+            stacked = [torch.stack(values) for values in watch.stacks[b]]
             for j in range(first, stop):
                 snapshots[j] = [(own, ScalarRows(stacked[si], rows)) for si, own, rows in watch.rows[j]]
         return snapshots[k]

@@ -8,8 +8,10 @@ in the first run, both at once at 16 MB-1 GB (Note [link sharing] in device/sim/
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -33,10 +35,14 @@ def measured() -> Calibration:
     return Calibration.model_validate(json.loads(DATA.read_text())["calibration"])
 
 
+@functools.cache
+def queued_run() -> dict[str, Any]:
+    return json.loads(QUEUED.read_text())
+
+
 def queued_us() -> dict[int, dict[str, float]]:
     """Per-copy us of the queued run, by copy bytes (its rows of one direction alone on one stream)."""
-    rows = json.loads(QUEUED.read_text())["us_per_copy"]
-    return {int(k): v for k, v in rows.items() if k.isdigit()}
+    return {int(k): v for k, v in queued_run()["us_per_copy"].items() if k.isdigit()}
 
 
 def queued_latency_us(direction: str, gbps: float) -> float:
@@ -129,7 +135,7 @@ def _modeled(preset: SimPreset, measured: Calibration) -> list[tuple[str, float,
     rows = []
     for nbytes, us in queued_us().items():
         for d in ("h2d", "d2h"):
-            copies = json.loads(QUEUED.read_text())["copies_per_run"][str(nbytes)]
+            copies = queued_run()["copies_per_run"][str(nbytes)]
             rate = nbytes / _alone_us(preset, d, nbytes, copies) / 1e3
             rows.append((f"{d} alone queued {nbytes / MB:g} MB", nbytes / us[f"{d} 1s"] / 1e3, rate))
     for point in measured.copies:
