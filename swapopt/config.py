@@ -25,9 +25,10 @@ class SwapSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     swap_optimizer_times: int = Field(default=16, ge=1)
-    """About how many chunks the swapped states are split into per step. To avoid cutting params the
-    planner may use chunks up to 25% larger or up to 1.5x as many, and from 8 chunks on it adds up to 3
-    smaller first ones unless ``prefetch`` is on (swapopt.plan)."""
+    """About how many chunks the swapped states are split into per step, as a bound on a chunk's size. To avoid
+    cutting params the planner may use chunks up to 25% larger or up to 1.5x as many; where the link's costs make
+    smaller chunks faster, up to 8x as many; from 8 chunks on it adds up to 3 smaller first ones unless ``prefetch``
+    is on (swapopt.plan)."""
 
     chunk_mb: Optional[float] = Field(default=None, gt=0, allow_inf_nan=False)
     """Byte budget per chunk (MiB); overrides ``swap_optimizer_times`` when set."""

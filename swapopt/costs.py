@@ -42,6 +42,7 @@ def _from_preset(preset) -> LinkCosts:
         host_copy_us=preset.launch_us,
         host_tensor_us=getattr(preset, "host_tensor_us", 0.0),
         host_cut_chunk_us=CUT_CHUNK_LAUNCHES * preset.launch_us + PYTHON_CHUNK_US,
+        hbm_gbps=preset.hbm_gbps,
     )
 
 

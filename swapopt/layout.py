@@ -515,16 +515,17 @@ class HostLayout:
         ramp = not knobs.prefetch
         # the link's costs choose between plans of the same budget (Note [chunk count from costs] in swapopt.plan)
         costs = link_costs(self.ctx.device)
-        settings = (knobs.swap_optimizer_times, chunk_bytes, int(knobs.resident_mb * MiB), DEFAULT_ALIGN, ramp, costs)
+        settings = (knobs.swap_optimizer_times, chunk_bytes, int(knobs.resident_mb * MiB), DEFAULT_ALIGN, ramp, costs,
+                    knobs.slots)
         plan_key = (tuple(sizes), settings)
         if self.plan_cache is not None and self.plan_cache[0] == plan_key:
             # the probe gave the exact sizes: the states the first step created change nothing
             plan = self.plan_cache[1]
         else:
-            times, chunk_bytes, resident_bytes, align, ramp, costs = settings
+            times, chunk_bytes, resident_bytes, align, ramp, costs, slots = settings
             plan = make_plan(
                 sizes, times=times, chunk_bytes=chunk_bytes, resident_bytes=resident_bytes, align=align, ramp=ramp,
-                costs=costs,
+                costs=costs, slots=slots,
             )
             self.plan_cache = (plan_key, plan)
         # A splittable param the plan left whole is stepped as itself, with states shaped like it: no

@@ -298,8 +298,11 @@ class ChunkInputs:
 # (1.7 ms of a 19 ms step). So the chunks are stacked in batches, each just before the update of its first chunk:
 # the first batch up to SNAPSHOT_FIRST_BATCH tensors, each later one up to twice the one before (always at least
 # one chunk), so a batch's host cost grows as the copies already queued ahead of it do (ramp chunks double too,
-# Note [ramp] in swapopt.plan), and a plan stacks in a few launches: 2 for 291 step counts, 5 for 3,282.
-SNAPSHOT_FIRST_BATCH = 256
+# Note [ramp] in swapopt.plan), and a plan stacks in a few launches: 3 for 291 step counts, 6 for 3,282. The
+# first batch is small because the first update waits for it with only the first swap-ins queued: at 256 tensors
+# it held one FSDP2 rank's first three chunks (246 step counts, 148 us of the simulated H100's host) and the
+# swap-out lane started 200 us into the step; at 64, 60 us.
+SNAPSHOT_FIRST_BATCH = 64
 
 
 class ScalarRows:

@@ -19,6 +19,13 @@ from device.link_table import duplex_rate
 DEFAULT_ALIGN = 512  # elements; 2 KiB of fp32, a multiple of every CPU/GPU vector width
 SLOT_ALIGN = 64  # bytes; every slot region starts on a cache line (and a 16-byte vector boundary)
 EXTRA_CHUNKS = 1.5  # with swap_optimizer_times=T, up to 1.5 T chunks to keep params whole
+# With costs, the planner also models the plans the rules give for 2, 4, ... times the chunks asked for, up to
+# MORE_CHUNKS times as many (Note [chunk count from costs]).
+MORE_CHUNKS = 8
+DEFAULT_SLOTS = 3  # staging slots the pipeline cycles through (swapopt.config's default)
+# Bytes an update moves in device memory per state byte it swapped: fused AdamW reads and writes the param and its two
+# states and reads the grad, 28 bytes an fp32 element against 8 bytes of states (Note [chunk count from costs]).
+UPDATE_TRAFFIC = 3.5
 # Note [ramp]: the step's first swap-in is the one copy nothing overlaps (the swap-out lane idles until the
 # first update is done), and with overlap_forward the next forward waits for it. So the first chunks are
 # cut smaller, 1/2**RAMP, ..., 1/4, 1/2 of the budget, each swap-out then covering the next, larger
@@ -41,23 +48,34 @@ RAMP_MIN_CHUNKS = 8
 # Note [chunk count from costs]: ``swap_optimizer_times`` (or ``chunk_mb``) bounds the bytes of a chunk, and so
 # the staging memory, (slots + 1) x chunk: with ``swap_optimizer_times`` a chunk holds at most a quarter more
 # than an even split (docs/optimizer.md). Within that bound the planner has choices that change the step's time
-# but not the bound: how many chunks (fewer, larger ones up to the bound), whether to ramp the first chunks up
-# and the last ones down (Note [ramp]), and whether to keep params whole with extra chunks or cut them. Each
-# costs chunks or copies, and each chunk and copy costs time that moves no bytes: its direction's latency per
-# copy (on the H100 2.7 us H2D, 1.7 us D2H once queued: SimPreset.latency_us) and the host's time to
+# but not the bound: how many chunks (fewer, larger ones up to the bound, or more, smaller ones), whether to ramp
+# the first chunks up and the last ones down (Note [ramp]), and whether to keep params whole with extra chunks or
+# cut them. Each costs chunks or copies, and each chunk and copy costs time that moves no bytes: its direction's
+# latency per copy (on the H100 2.7 us H2D, 1.7 us D2H once queued: SimPreset.latency_us) and the host's time to
 # issue a chunk (its launches and Python). Given the device's costs (``LinkCosts``: from the simulator's preset,
 # a calibrated preset file, or the h100/910b figures, swapopt.costs), make_plan builds the plans these choices
-# allow, at a few budgets from the even split up to the bound, and keeps the one whose modeled time
-# (``estimate_us``) is least, fewest chunks on a tie:
-#     time = first swap-in alone + last swap-out alone
-#            + max(the other swap-ins, the other swap-outs, every chunk's host time)
-# where a copy takes its direction's latency and then its bytes at the rate that direction keeps with the other
-# busy (the preset's duplex table at that copy size, Note [link sharing] in device/sim/preset_spec.py). So where
-# a chunk's copy is short against its latency (many small chunks: one FSDP rank's shards at 64 chunks), fewer,
-# larger chunks up to the bound win; a ramp chunk whose copy is shorter than the latency and host time it adds
-# is left out; and a whole-param plan that needs more chunks than a cut one loses to it where chunks cost more
-# than cut copies. More chunks asked for never means chunks above the bound they set: where the costs would
-# want larger ones, the memory bound wins. Without costs the rules above apply as they are.
+# allow, at a few budgets from the even split up to the bound, and the plans the rules give for 2, 4 and 8 times
+# the chunks asked for, and keeps the one whose modeled time (``estimate_us``) is least, fewest chunks on a tie.
+# ``estimate_us`` schedules the pipeline chunk by chunk: a swap-in once the host has issued it, its lane is free and
+# its slot's last swap-out done; an update once its swap-in is done and the host has issued it; a swap-out once its
+# update is done and its lane free; a copy takes its direction's latency and then its bytes at the rate that
+# direction keeps with the other busy (the preset's duplex table at that copy size, Note [link sharing] in
+# device/sim/preset_spec.py), at its rate alone once the other has nothing scheduled.
+#
+# What that schedule shows: a chunk's swap-out cannot start before its swap-in is done, so where the two
+# directions move at about the same rate (the H100's 51.8 and 50.2 GB/s with both busy) the swap-out lane trails
+# the swap-in lane by one chunk, whatever came before: a step takes every byte one way plus about one chunk's copy
+# the other way. A ramp does not shorten that (each larger chunk's swap-in outlasts the smaller swap-out beside
+# it); smaller chunks do, until their latencies and host time cost more than the lag they save. On the simulated
+# H100 one FSDP2 rank at 16 requested chunks was 1.09 of the bound with 18 chunks (a ramp, 12 MiB chunks) and is
+# 1.04 with 28 even ones; Llama-2-7B's 100 M-param layout 1.09 -> 1.01. So more chunks than asked for are taken
+# where they model faster, never fewer than the memory bound allows; and where a chunk's copy is short against its
+# latency and host time (many small chunks: one FSDP rank's shards at 64 chunks), fewer, larger chunks up to the
+# bound win; a ramp chunk whose copy is shorter than the latency and host time it adds is left out; and a
+# whole-param plan that needs more chunks than a cut one loses to it where chunks cost more than cut copies. More
+# chunks asked for never means chunks above the bound they set: where the costs would want larger ones, the
+# memory bound wins. The plans for 2T chunks are among those tried for T, so asking for fewer chunks never models
+# slower. Without costs the rules above apply as they are.
 #
 # Note [cut chunks]: a chunk that holds pieces of cut params costs the host more than their copies. A cut piece's
 # state dict is made each step (slot views of its range and a clone of its step count) and the cut pieces take a
@@ -92,12 +110,14 @@ class LinkCosts:
     # Host time a chunk that holds cut pieces pays for them beyond their copies: a call of their own and their
     # state dicts, made each step (Note [cut chunks]).
     host_cut_chunk_us: float = 0.0
+    # Device memory bandwidth, for an update's time (UPDATE_TRAFFIC bytes a swapped state byte); 0: updates are free.
+    hbm_gbps: float = 0.0
 
     def __post_init__(self) -> None:
         if min(self.h2d_gbps, self.d2h_gbps, self.duplex_gbps) <= 0:
             raise ValueError(f"link rates must be positive, got {self}")
         if min(self.copy_latency_us, self.host_chunk_us, self.host_copy_us, self.host_tensor_us,
-               self.host_cut_chunk_us) < 0:
+               self.host_cut_chunk_us, self.hbm_gbps) < 0:
             raise ValueError(f"latency and host time must be >= 0, got {self}")
         if not 0.0 <= self.h2d_latency_share <= 1.0:
             raise ValueError(f"h2d_latency_share must lie in [0, 1], got {self.h2d_latency_share}")
@@ -308,50 +328,74 @@ def _copies(chunk: Chunk, sizes: dict[int, ParamSize]) -> tuple[int, int]:
     return 1 + extra, cut
 
 
-def estimate_us(chunks: Sequence[Chunk], sizes: Sequence[ParamSize], costs: LinkCosts) -> float:
-    """Modeled time of a step over ``chunks`` on a link with ``costs`` (Note [chunk count from costs]): the first
-    swap-in and the last swap-out alone, and between them the slower of the link's work and the host's. On the
-    link each copy waits its direction's latency and moves its bytes at the rate that direction keeps with the
-    other busy; once the direction with less to do is done, the other's rest moves at its rate alone. The host
-    issues every chunk, the extra copies of cut pieces and the tensors of each update."""
+def _moved_until(start: float, nbytes: float, both: float, alone: float, other_until: float) -> float:
+    """When a copy's ``nbytes`` have moved, from ``start``: at ``both`` bytes per us while the other direction is
+    busy (until ``other_until``), at ``alone`` after."""
+    if start >= other_until:
+        return start + nbytes / alone
+    beside = (other_until - start) * both
+    return start + nbytes / both if beside >= nbytes else other_until + (nbytes - beside) / alone
+
+
+def estimate_us(
+    chunks: Sequence[Chunk], sizes: Sequence[ParamSize], costs: LinkCosts, slots: int = DEFAULT_SLOTS
+) -> float:
+    """Modeled time of a step over ``chunks`` with ``slots`` staging slots on a link with ``costs`` (Note [chunk
+    count from costs]): the pipeline's schedule, chunk by chunk. The host issues each chunk's update and swap-out
+    in turn (its share of launches, Python and the tensors of its lists), and each swap-in with the swap-out of
+    the chunk ``slots - 1`` before it (the first ``slots - 1`` at once). A swap-in starts once issued, its lane
+    free and its slot's last swap-out done; an update once its swap-in is done and it is issued; a swap-out once
+    its update is done and its lane free. Each copy waits its direction's latency, then moves its bytes at the
+    rate that direction keeps while the other is busy, at its rate alone once the other has nothing left."""
     if not chunks:
         return 0.0
+    slots = max(int(slots), 1)
     by_index = {s.index: s for s in sizes}
-    tensors = {s.index: max(s.regions, 1) + 3 for s in sizes}  # an update's lists: param, grad, step, states
-    lat_in, lat_out = costs.latency_us("h2d"), costs.latency_us("d2h")
+    # tensors the host walks per param: the update's lists (param, grad, states, step count), the step count's add and
+    # its snapshot (Note [snapshot batches] in swapopt.pipeline)
+    tensors = {s.index: max(s.regions, 1) + 5 for s in sizes}
+    lat = {way: costs.latency_us(way) for way in ("h2d", "d2h")}
     alone = {"h2d": costs.h2d_gbps * 1e3, "d2h": costs.d2h_gbps * 1e3}  # bytes per us
-    # per direction, over the copies beside the other direction: latency (us), bytes moving at the shared
-    # rate (us), and the same bytes at the direction's rate alone (us)
-    lanes = {"h2d": [0.0, 0.0, 0.0], "d2h": [0.0, 0.0, 0.0]}
-    host = fill = 0.0
-    last = len(chunks) - 1
+    hbm = costs.hbm_gbps * 1e3
+    n = len(chunks)
+    copies, host = [0] * n, [0.0] * n
     for k, chunk in enumerate(chunks):
-        copies, cut = _copies(chunk, by_index)
-        size = chunk.nbytes / copies  # bytes of one copy, on average
-        for way, lat, alone_here in (("h2d", lat_in, k == 0), ("d2h", lat_out, k == last)):
-            if alone_here:
-                fill += copies * lat + chunk.nbytes / alone[way]
-            else:
-                lane = lanes[way]
-                lane[0] += copies * lat
-                lane[1] += chunk.nbytes / costs.both_bytes_per_us(way, size)
-                lane[2] += chunk.nbytes / alone[way]
+        c, cut = _copies(chunk, by_index)
+        copies[k] = c
         # a cut piece's extra copies each way, and the copy of its scalar states (step) it is stepped with
-        host += costs.host_chunk_us + (2 * (copies - 1) + cut) * costs.host_copy_us
-        host += costs.host_tensor_us * sum(tensors.get(pc.index, 4) for pc in chunk.pieces)
-        host += costs.host_cut_chunk_us if cut else 0.0
-    # what the longer lane has left once the other is done moves at its rate alone, not the shared one
-    (lat_a, both_a, solo_a), (lat_b, both_b, _) = sorted(lanes.values(), key=lambda lane: -(lane[0] + lane[1]))
-    total_a, total_b = lat_a + both_a, lat_b + both_b
-    rest = total_a - total_b
-    moving = both_a / total_a if total_a else 0.0  # the share of the longer lane that moves bytes
-    link = total_b + rest * (1 - moving) + rest * moving * (solo_a / both_a if both_a else 1.0)
-    return fill + max(link, host)
+        h = costs.host_chunk_us + (2 * (c - 1) + cut) * costs.host_copy_us
+        h += costs.host_tensor_us * sum(tensors.get(pc.index, 4) for pc in chunk.pieces)
+        host[k] = h + (costs.host_cut_chunk_us if cut else 0.0)
+    issued = list(itertools.accumulate(host))  # host clock once chunk k's update and swap-out are issued
+    in_end, out_end = [0.0] * n, [0.0] * n
+
+    def swap_in(j: int) -> None:
+        ready = max(issued[j - slots + 1] if j >= slots - 1 else 0.0, in_end[j - 1] if j else 0.0,
+                    out_end[j - slots] if j >= slots else 0.0)
+        nbytes = chunks[j].nbytes
+        both = costs.both_bytes_per_us("h2d", nbytes / copies[j])
+        # the swap-outs already scheduled are what runs beside it
+        in_end[j] = _moved_until(ready + copies[j] * lat["h2d"], nbytes, both, alone["h2d"], out_end[j - 1] if j else 0.0)
+
+    done_in = -1
+    update_end = 0.0
+    for k in range(n):
+        while done_in < min(k + slots - 1, n - 1):  # the swap-ins issued by now: each needs an older swap-out
+            done_in += 1
+            swap_in(done_in)
+        nbytes = chunks[k].nbytes
+        update_end = max(in_end[k], issued[k], update_end) + (UPDATE_TRAFFIC * nbytes / hbm if hbm else 0.0)
+        start = max(update_end, out_end[k - 1] if k else 0.0)
+        both = costs.both_bytes_per_us("d2h", nbytes / copies[k])
+        out_end[k] = _moved_until(start + copies[k] * lat["d2h"], nbytes, both, alone["d2h"], in_end[done_in])
+    return out_end[-1]
 
 
-def _cheapest(candidates: Sequence[list[Chunk]], sizes: Sequence[ParamSize], costs: LinkCosts) -> list[Chunk]:
+def _cheapest(
+    candidates: Sequence[list[Chunk]], sizes: Sequence[ParamSize], costs: LinkCosts, slots: int = DEFAULT_SLOTS
+) -> list[Chunk]:
     """The candidate with the least modeled time, the fewest chunks on a tie (and the first of equals)."""
-    return min(candidates, key=lambda cs: (round(estimate_us(cs, sizes, costs), 3), len(cs)))
+    return min(candidates, key=lambda cs: (round(estimate_us(cs, sizes, costs, slots), 3), len(cs)))
 
 
 def _ends(ramps: Sequence[int], tails: Sequence[int], costs: LinkCosts | None) -> list[tuple[tuple, tuple]]:
@@ -430,13 +474,13 @@ def count_chunks(items: Sequence[tuple[int, int, bool, int]], budget: int, align
 
 
 def _least_time(
-    sizes: Sequence[ParamSize], choices: Sequence[tuple[int, bool]], limit: int, times: int, align: int,
-    ramp: bool, tail: bool, costs: LinkCosts,
+    sizes: Sequence[ParamSize], choices: Sequence[tuple[int, bool, int]], align: int, ramp: bool, tail: bool,
+    costs: LinkCosts, slots: int = DEFAULT_SLOTS,
 ) -> tuple[int, list[Chunk]]:
     """(budget, chunks) of least modeled time (Note [chunk count from costs]): each of the rules' ``choices``
-    (budget, keep params whole), each also at budgets up to ``limit`` (fewer, larger chunks, never above the
-    user's bound), each with the ends the rules give (Note [ramp]) and with none; then the best of those with
-    each end alone."""
+    (budget, keep params whole, the bound it was chosen under), each also at budgets up to that bound (fewer,
+    larger chunks, never above the user's bound), each with the ends the rules give (Note [ramp]) and with none;
+    then the best of those with each end alone."""
 
     def plan(b: int, whole: bool, r: Sequence[int], t: Sequence[int]) -> list[Chunk]:
         return chunk_pieces(sizes, b, align, keep_whole=whole, ramp=r, tail=t)
@@ -445,7 +489,7 @@ def _least_time(
         return (ramp_budgets(b) if ramp else ()), (tail_budgets(b) if tail else ())
 
     tried: list[tuple[int, bool]] = []
-    for b, whole in choices:
+    for b, whole, limit in choices:
         # larger budgets keep whole params whole within the count the rules allowed (a larger budget never
         # needs more chunks), and cut ones within `times`
         for c in (b, b + (limit - b) // 2, limit) if b < limit else (b,):
@@ -456,13 +500,40 @@ def _least_time(
         r, t = ends(b)
         for rt in dict.fromkeys([(r, t), ((), ())]):
             options.append((b, whole, *rt, plan(b, whole, *rt)))
-    best = _cheapest([o[4] for o in options], sizes, costs)
+    best = _cheapest([o[4] for o in options], sizes, costs, slots)
     b, whole, r, t, _ = next(o for o in options if o[4] is best)
     full_r, full_t = ends(b)
     for rt in {(full_r, ()), ((), full_t)} - {(r, t), (full_r, full_t), ((), ())}:
         options.append((b, whole, *rt, plan(b, whole, *rt)))
-    best = _cheapest([o[4] for o in options], sizes, costs)
+    best = _cheapest([o[4] for o in options], sizes, costs, slots)
     return next((o[0], o[4]) for o in options if o[4] is best)
+
+
+def _rule_choices(
+    swapped: Sequence[ParamSize], total: int, times: int, align: int, costed: bool
+) -> tuple[list[tuple[int, bool]], int]:
+    """The rules' (budget, keep params whole) for ``times`` chunks, first the one they pick, and the bound on a
+    chunk's bytes they were chosen under (make_plan)."""
+    # Prefer whole params (no cuts at chunk boundaries): a cut costs a copy per state and direction in
+    # each chunk it spans and extra work on the failure path. Keep them whole when that costs at most a
+    # quarter more bytes per chunk than an even split, with `times` chunks or else up to EXTRA_CHUNKS
+    # times as many; otherwise cut params to hold `times` even chunks.
+    base = budget_for(total, times)
+    limit = base + base // 4
+    budget = _smallest_budget(swapped, base, max(total, 1), times, align, keep_whole=True)
+    keep_whole = budget <= limit
+    if not keep_whole:
+        # Every chunk costs a copy latency each way and a share of the launches: take the fewest chunks
+        # that keep params whole within the bound, and the smallest budget that gives that many.
+        fewest = count_chunks([(s.numel, s.state_bytes, s.splittable, s.pad_bytes) for s in swapped], limit, align, True)
+        if fewest <= math.floor(times * EXTRA_CHUNKS):
+            budget = _smallest_budget(swapped, base, limit, fewest, align, keep_whole=True)
+            keep_whole = True
+    cut = (_smallest_budget(swapped, base, max(total, 1), times, align, keep_whole=False), False)
+    if not keep_whole:
+        return [cut], limit
+    # with costs, whole params cost a larger budget or extra chunks; cutting them costs copies: model both
+    return ([(budget, True), cut] if costed else [(budget, True)]), limit
 
 
 def make_plan(
@@ -475,6 +546,7 @@ def make_plan(
     ramp: bool = True,
     tail: bool = True,
     costs: LinkCosts | None = None,
+    slots: int = DEFAULT_SLOTS,
 ) -> Plan:
     """Plan one step: resident params first, then chunks of the rest.
 
@@ -504,36 +576,24 @@ def make_plan(
         options = [
             chunk_pieces(swapped, budget, align, keep_whole=True, ramp=r, tail=t) for r, t in _ends(ramps, tails, costs)
         ]
-        chunks = options[0] if costs is None else _cheapest(options, swapped, costs)
+        chunks = options[0] if costs is None else _cheapest(options, swapped, costs, slots)
     else:
-        # Prefer whole params (no cuts at chunk boundaries): a cut costs a copy per state and direction in
-        # each chunk it spans and extra work on the failure path. Keep them whole when that costs at most a
-        # quarter more bytes per chunk than an even split, with `times` chunks or else up to EXTRA_CHUNKS
-        # times as many; otherwise cut params to hold `times` even chunks.
-        base = budget_for(total, times)
-        limit = base + base // 4
-        budget = _smallest_budget(swapped, base, max(total, 1), times, align, keep_whole=True)
-        keep_whole = budget <= limit
-        if not keep_whole:
-            # Every chunk costs a copy latency each way and a share of the launches: take the fewest chunks
-            # that keep params whole within the bound, and the smallest budget that gives that many.
-            fewest = count_chunks([(s.numel, s.state_bytes, s.splittable, s.pad_bytes) for s in swapped], limit, align, True)
-            if fewest <= math.floor(times * EXTRA_CHUNKS):
-                budget = _smallest_budget(swapped, base, limit, fewest, align, keep_whole=True)
-                keep_whole = True
-        choices = [(budget, keep_whole)]
-        if not keep_whole:
-            choices = [(_smallest_budget(swapped, base, max(total, 1), times, align, keep_whole=False), False)]
-        elif costs is not None:
-            # whole params cost a larger budget or extra chunks; cutting them costs copies: model both
-            choices.append((_smallest_budget(swapped, base, max(total, 1), times, align, keep_whole=False), False))
+        choices, limit = _rule_choices(swapped, total, times, align, costs is not None)
+        budget, keep_whole = choices[0]
+        ends = ramp and times >= RAMP_MIN_CHUNKS, tail and times >= RAMP_MIN_CHUNKS
         if costs is None:
-            budget, keep_whole = choices[0]
-            ramps = ramp_budgets(budget) if ramp and times >= RAMP_MIN_CHUNKS else ()
-            tails = tail_budgets(budget) if tail and times >= RAMP_MIN_CHUNKS else ()
+            ramps = ramp_budgets(budget) if ends[0] else ()
+            tails = tail_budgets(budget) if ends[1] else ()
             chunks = chunk_pieces(swapped, budget, align, keep_whole=keep_whole, ramp=ramps, tail=tails)
         else:
-            budget, chunks = _least_time(swapped, choices, limit, times, align, ramp and times >= RAMP_MIN_CHUNKS,
-                                         tail and times >= RAMP_MIN_CHUNKS, costs)
+            # and the rules' plans for 2, 4, ... times the chunks: smaller chunks, where the costs favour them
+            # (Note [chunk count from costs]); so a plan for T chunks is modeled as fast as one for 2T at least
+            more = [(b, whole, limit) for b, whole in choices]
+            more_times = 2 * times
+            while more_times <= MORE_CHUNKS * times and budget_for(total, more_times) >= RAMP_MIN_BYTES:
+                options, bound = _rule_choices(swapped, total, more_times, align, True)
+                more += [(b, whole, bound) for b, whole in options]
+                more_times *= 2
+            budget, chunks = _least_time(swapped, list(dict.fromkeys(more)), align, *ends, costs, slots)
     last = {p.index: k for k, c in enumerate(chunks) for p in c.pieces}
     return Plan(tuple(chunks), resident, budget, last)

@@ -178,6 +178,7 @@ def test_layout_run_rows_have_every_field(sim):
         assert r.h2d_copies >= r.chunks and r.d2h_copies >= r.chunks
         assert r.launches >= r.h2d_copies + r.d2h_copies
         assert r.step_ms > 0 and r.ratio == pytest.approx(r.step_ms / res.bound_ms)
+        assert r.b2b_ms > 0 and r.b2b_ratio == pytest.approx(r.b2b_ms / res.bound_ms)
         assert r.cap_bytes == 4 * r.chunk_bytes and 0 < r.peak_extra_bytes <= r.cap_bytes
         # the floor: never above the step, and the simulator's preset's under its sharing rule
         assert r.floor_ratio == pytest.approx(r.step_ms / res.floor_ms) and r.floor_ratio >= 1.0
@@ -207,6 +208,19 @@ def test_layout_run_flat_rows_take_the_flat_update(sim):
     assert (flat_row.h2d_copies, flat_row.d2h_copies) == (direct.h2d_copies, direct.d2h_copies)
     assert flat.ENABLED is False  # put back after the row
     assert "| swapopt-flat t=2 s=3 |" in layouts_markdown([res])
+
+
+def test_layout_run_graph_rows_time_replays(sim):
+    # 400 small tensors: an eager step is host-bound (per-op launches, per-tensor lists), a replay issues nothing
+    shapes = [(128,)] * 400
+    lay = Layout(name="many", source="test", tensors=tuple((f"w{i}", s) for i, s in enumerate(shapes)))
+    res = run_layout(lay, times=(4,), bandwidth_repeats=1, graph=True)
+    assert [r.kind for r in res.rows] == ["resident", "swapopt", "swapopt-graph"]
+    eager, graphed = res.rows[1:]
+    assert graphed.note == "" and graphed.chunks == eager.chunks
+    # the timed step is a replay (the fourth step is captured), not one of the eager steps before it
+    assert graphed.step_ms < 0.5 * eager.step_ms and graphed.b2b_ms < 0.5 * eager.b2b_ms
+    assert graphed.launches == 0 and graphed.python_ms < eager.python_ms
 
 
 def test_make_layout_params_builds_the_layout(sim):

@@ -258,7 +258,8 @@ def test_offload_empty_cache_returns_the_cached_segments_to_the_device():
     with simulator.activate("h100", allocator="caching", sanitize=True) as mod:
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(4096, 1024), torch.nn.Tanh(), torch.nn.Linear(1024, 8))
-        opt = swap(model)
+        # chunks of 16 MiB, as the docstring has it (with swap_optimizer_times the planner may take smaller ones)
+        opt = swap(model, chunk_mb=16)
         for _ in range(2):
             model(torch.randn(4, 4096)).sum().backward()
             opt.step()

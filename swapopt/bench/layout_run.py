@@ -23,7 +23,9 @@ from device.sim.presets import SimPreset
 from swapopt import flat as flat_update
 from swapopt.bench.counts import count_call, host_cpu_seconds, pinned_host_bytes
 from swapopt.bench.layouts import Layout, get_layout, make_layout_params, scale_to_fit
-from swapopt.bench.measure import Bandwidth, bound_ms, free_device_memory, measure_bandwidth, time_steps
+from swapopt.bench.measure import (
+    Bandwidth, bound_ms, free_device_memory, measure_bandwidth, time_back_to_back, time_steps,
+)
 from swapopt.bench.run import MAX_PROBE_BYTES, measure_strategy
 from swapopt.bench.strategies import AdamWSpec, Impl
 
@@ -33,6 +35,10 @@ DEFAULT_TIMES = (16, 64)
 SIM_MAX_NUMEL = 64_000_000
 DEFAULT_SLOTS = 3
 HOST_REPEATS = 5  # counted steps per row; host times are their median
+B2B_STEPS = 3  # steps timed back to back per row (at least the timed steps' count)
+# Steps before a step_graph row is timed: the first two make and settle the states, the third runs steadily, the
+# fourth is captured and replayed (Note [graphed step] in swapopt.graphed); the fifth on replay only.
+GRAPH_WARMUP = 4
 # The launch budget of a swapped step when copies move whole chunks: per chunk, the resident step's
 # launches plus an H2D, a D2H and one more; per step, a few fixed ones.
 LAUNCHES_PER_CHUNK, LAUNCHES_PER_STEP = 3, 8
@@ -47,6 +53,10 @@ class LayoutRow(BaseModel):
     chunks: int | None = None
     step_ms: float | None = None
     ratio: float | None = None  # step_ms / bound_ms
+    # Steps issued back to back (bench.measure.time_back_to_back): the mean step, and it against the bound. None in
+    # older results.
+    b2b_ms: float | None = None
+    b2b_ratio: float | None = None
     floor_ratio: float | None = None  # step_ms / floor_ms (the row's own, else the layout's)
     floor_ms: float | None = None  # the link floor at this row's copy size (swapopt rows; None in older results)
     aten_ops: int | None = None
@@ -137,8 +147,13 @@ def _measure(
 
     def measure(strategy: Any) -> None:
         # torch's optimizer does one-time host work (lazy imports, wrappers) in its first steps: two
-        # warm-up steps at least keep it out of the host-time figures below.
-        timing = time_steps(strategy, warmup=max(warmup, 2), repeats=repeats)
+        # warm-up steps at least keep it out of the host-time figures below. A step_graph row captures its fourth
+        # step: its timed steps come after, or they time eager steps.
+        graph = kind == "swapopt-graph"
+        timing = time_steps(strategy, warmup=max(warmup, GRAPH_WARMUP if graph else 2), repeats=repeats)
+        if graph and strategy.opt._graphed is None:
+            row.note = f"not replayed: {strategy.opt._graph_off or 'no capture'}"
+        row.b2b_ms = time_back_to_back(strategy, steps=max(repeats, B2B_STEPS))
         row.step_ms, row.peak_extra_bytes = timing.step_ms, timing.peak_extra_bytes
         # Host CPU time on a step of its own: the counting mode below costs host time too.
         row.cpu_ms = host_cpu_seconds(strategy.step) * 1e3
@@ -252,6 +267,8 @@ def derive(res: LayoutResult) -> LayoutResult:
     param), so a result read back from JSON renders the same."""
     resident = next((r for r in res.rows if r.kind == "resident"), None)
     for r in res.rows:
+        if r.b2b_ms is not None:
+            r.b2b_ratio = r.b2b_ms / res.bound_ms
         if r.step_ms is not None:
             r.ratio = r.step_ms / res.bound_ms
             floor = r.floor_ms or res.floor_ms
@@ -335,7 +352,9 @@ def layouts_markdown(results: Sequence[LayoutResult]) -> str:
         "it still includes the simulator's own per-op accounting. Python ms is the counted step's CPU time "
         "outside every aten op (the Python that issues the ops, which carries over to a device); extra host "
         "us/param = (Python ms - resident's) / tensors; Python limit = 60 us x chunks + 2 us x tensors. "
-        "Step / floor: against the link floor at the row's own copy size. Cap = (slots + 1) x chunk."
+        "Step / floor: against the link floor at the row's own copy size. Back to back: the mean step of steps "
+        "issued one after another, as a training loop issues them (each step timed alone starts from an idle device, "
+        "so host work before its first device op, a replay's checks, counts in it). Cap = (slots + 1) x chunk."
     )
     out.append("")
     for res in results:
@@ -354,16 +373,18 @@ def layouts_markdown(results: Sequence[LayoutResult]) -> str:
         )
         out.append("")
         out.append(
-            "| strategy | chunks | step ms | step / bound | step / floor | launches | target | H2D copies | D2H copies | "
+            "| strategy | chunks | step ms | step / bound | back to back ms | back to back / bound | step / floor | "
+            "launches | target | H2D copies | D2H copies | "
             "aten ops | host CPU ms | own host ms | Python ms | Python limit ms | Python / limit | Python / resident | "
             "extra host us/param | peak extra MiB | cap MiB | pinned MiB | state MiB |"
         )
-        out.append("|" + "---|" * 21)
+        out.append("|" + "---|" * 23)
         for r in res.rows:
             state = _mib(res.state_bytes) if r.kind.startswith("swapopt") else "-"
             out.append(
                 f"| {r.label}{' (' + r.note + ')' if r.note else ''} | {_num(r.chunks)} | "
-                f"{_num(r.step_ms, '{:.3f}')} | {_num(r.ratio, '{:.2f}')} | {_num(r.floor_ratio, '{:.3f}')} | "
+                f"{_num(r.step_ms, '{:.3f}')} | {_num(r.ratio, '{:.2f}')} | {_num(r.b2b_ms, '{:.3f}')} | "
+                f"{_num(r.b2b_ratio, '{:.2f}')} | {_num(r.floor_ratio, '{:.3f}')} | "
                 f"{_num(r.launches)} | "
                 f"{_num(r.launch_target)} | {_num(r.h2d_copies)} | {_num(r.d2h_copies)} | {_num(r.aten_ops)} | "
                 f"{_num(r.cpu_ms, '{:.1f}')} | {_num(r.host_ms, '{:.1f}')} | {_num(r.python_ms, '{:.1f}')} | "
@@ -382,16 +403,18 @@ def layouts_markdown(results: Sequence[LayoutResult]) -> str:
 def layouts_summary(results: Sequence[LayoutResult]) -> str:
     """One line per swapopt row, for the terminal: step / bound and the counts against their targets."""
     lines = [
-        "| layout | tensors | strategy | step / bound | launches (target) | H2D / D2H copies | extra host us/param |",
-        "|---|---:|---|---:|---:|---:|---:|",
+        "| layout | tensors | strategy | step / bound | back to back / bound | launches (target) | H2D / D2H copies | "
+        "extra host us/param |",
+        "|---|---:|---|---:|---:|---:|---:|---:|",
     ]
     for res in results:
         for r in res.rows:
-            if r.kind != "swapopt":
+            if not r.kind.startswith("swapopt"):
                 continue
             lines.append(
                 f"| {res.layout} | {res.tensors:,} | {r.label}{' ' + r.note if r.note else ''} | "
-                f"{_num(r.ratio, '{:.2f}x')} | {_num(r.launches)} ({_num(r.launch_target)}) | "
+                f"{_num(r.ratio, '{:.2f}x')} | {_num(r.b2b_ratio, '{:.2f}x')} | "
+                f"{_num(r.launches)} ({_num(r.launch_target)}) | "
                 f"{_num(r.h2d_copies)} / {_num(r.d2h_copies)} | {_num(r.extra_host_us_per_param, '{:.1f}')} |"
             )
     return "\n".join(lines)

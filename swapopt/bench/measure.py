@@ -119,6 +119,24 @@ def time_steps(strategy: Strategy, warmup: int = 1, repeats: int = 3) -> StepTim
     return StepTiming(step_ms=statistics.median(times), all_ms=times, peak_extra_bytes=max(peaks))
 
 
+def time_back_to_back(strategy: Strategy, steps: int = 5) -> float:
+    """Mean time of ``steps`` steps issued one after another with no wait between them, as a training loop issues
+    them (each step's host work under the device work before it), drained once at the end (ms).
+
+    ``time_steps`` times each step from an idle device: a step's host work before its first device op (a replayed
+    step's checks, say) is then step time, where in a training loop it runs under the backward's device work."""
+    mod = device.get_torch_device_module()
+    mod.synchronize()
+    start, end = _timed_event(), _timed_event()
+    start.record()
+    for _ in range(steps):
+        strategy.step()
+    strategy.drain()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / steps
+
+
 def free_device_memory() -> None:
     """Return cached device memory between strategies (callers drop their references first)."""
     gc.collect()

@@ -254,8 +254,8 @@ class SwapOpt:
 
 
 class SwapOptGraph(SwapOpt):
-    """swapopt with ``step_graph``: from the third step on, each step is one replay of a captured graph (Note
-    [graphed step] in swapopt.graphed)."""
+    """swapopt with ``step_graph``: the fourth step is captured as a device graph and replayed, and each later one
+    is one replay of it (Note [graphed step] in swapopt.graphed)."""
 
     reproduces = "swapopt, step_graph: the steady step captured once as a device graph and replayed"
     name = "swapopt-graph"
