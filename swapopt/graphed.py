@@ -151,7 +151,6 @@ class GraphedStep:
         # Addresses only: a reference kept to a grad would keep its memory, and the next backward's grad (after
         # zero_grad(set_to_none=True)) could not get the same block from the caching allocator.
         self.grad_addresses = _addresses(grads, self.dtensors, self.read_grad)
-        del grads
         self.state_map = ctx.state
         # The step counts and other states not swapped (HostLayout.still_valid, run by prepare before, watches the
         # state dicts, their lengths and their swapped states): the graph reads them where they are.

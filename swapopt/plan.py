@@ -85,7 +85,7 @@ RAMP_MIN_CHUNKS = 8
 # requested chunks cut a param in 18 of its 19 chunks and took 42 ms of host CPU a step, at 64 chunks (none cut)
 # 26 ms. estimate_us charges such a chunk ``host_cut_chunk_us``.
 #
-# A piece of a param split across chunks costs a copy per state beyond the first, each way (``_copies``): each
+# A piece of a param split across chunks costs a copy per state beyond the first, each way (``_chunk_work``): each
 # state of a param lies dense and whole in host memory (the state dict hands them out as they are), so the
 # same elements of two states are two ranges there, never one. The planner counts them; it cannot merge them.
 
@@ -314,18 +314,23 @@ def chunk_pieces(
     return chunks
 
 
-def _copies(chunk: Chunk, sizes: dict[int, ParamSize]) -> tuple[int, int]:
-    """(copies each way, cut pieces) of one chunk, as the host arena lays it out (swapopt.arena): one copy for
-    the chunk, and one more per state beyond the first of a piece that is only part of its param (its states lie
-    whole and dense elsewhere, so that piece's range of each state is a range of its own: one state's joins the
-    run beside it, the others' are copies of their own; Note [chunk count from costs])."""
-    extra = cut = 0
+def _chunk_work(chunk: Chunk, sizes: dict[int, ParamSize]) -> tuple[int, int, int]:
+    """(copies each way, cut pieces, tensors the host walks) of one chunk. Copies as the host arena lays it out
+    (swapopt.arena): one copy for the chunk, and one more per state beyond the first of a piece that is only part
+    of its param (its states lie whole and dense elsewhere, so that piece's range of each state is a range of its
+    own: one state's joins the run beside it, the others' are copies of their own; Note [chunk count from costs]).
+    Tensors per piece: the update's lists (param, grad, states, step count), the step count's add and its
+    snapshot (Note [snapshot batches] in swapopt.pipeline)."""
+    extra = cut = tensors = 0
     for pc in chunk.pieces:
         size = sizes.get(pc.index)
-        if size is not None and size.state_bytes and (pc.start > 0 or pc.stop < size.numel):
+        if size is None:
+            continue
+        tensors += max(size.regions, 1) + 5
+        if size.state_bytes and (pc.start > 0 or pc.stop < size.numel):
             extra += max(size.regions, 1) - 1
             cut += 1
-    return 1 + extra, cut
+    return 1 + extra, cut, tensors
 
 
 def _moved_until(start: float, nbytes: float, both: float, alone: float, other_until: float) -> float:
@@ -351,20 +356,16 @@ def estimate_us(
         return 0.0
     slots = max(int(slots), 1)
     by_index = {s.index: s for s in sizes}
-    # tensors the host walks per param: the update's lists (param, grad, states, step count), the step count's add and
-    # its snapshot (Note [snapshot batches] in swapopt.pipeline)
-    tensors = {s.index: max(s.regions, 1) + 5 for s in sizes}
     lat = {way: costs.latency_us(way) for way in ("h2d", "d2h")}
     alone = {"h2d": costs.h2d_gbps * 1e3, "d2h": costs.d2h_gbps * 1e3}  # bytes per us
     hbm = costs.hbm_gbps * 1e3
     n = len(chunks)
     copies, host = [0] * n, [0.0] * n
     for k, chunk in enumerate(chunks):
-        c, cut = _copies(chunk, by_index)
+        c, cut, tensors = _chunk_work(chunk, by_index)
         copies[k] = c
         # a cut piece's extra copies each way, and the copy of its scalar states (step) it is stepped with
-        h = costs.host_chunk_us + (2 * (c - 1) + cut) * costs.host_copy_us
-        h += costs.host_tensor_us * sum(tensors.get(pc.index, 4) for pc in chunk.pieces)
+        h = costs.host_chunk_us + (2 * (c - 1) + cut) * costs.host_copy_us + costs.host_tensor_us * tensors
         host[k] = h + (costs.host_cut_chunk_us if cut else 0.0)
     issued = list(itertools.accumulate(host))  # host clock once chunk k's update and swap-out are issued
     in_end, out_end = [0.0] * n, [0.0] * n
@@ -395,7 +396,12 @@ def _cheapest(
     candidates: Sequence[list[Chunk]], sizes: Sequence[ParamSize], costs: LinkCosts, slots: int = DEFAULT_SLOTS
 ) -> list[Chunk]:
     """The candidate with the least modeled time, the fewest chunks on a tie (and the first of equals)."""
-    return min(candidates, key=lambda cs: (round(estimate_us(cs, sizes, costs, slots), 3), len(cs)))
+    return min(candidates, key=lambda cs: _rank(cs, sizes, costs, slots))
+
+
+def _rank(chunks: Sequence[Chunk], sizes: Sequence[ParamSize], costs: LinkCosts, slots: int) -> tuple[float, int]:
+    """What plans are compared by: modeled time (to the ns), then chunks."""
+    return round(estimate_us(chunks, sizes, costs, slots), 3), len(chunks)
 
 
 def _ends(ramps: Sequence[int], tails: Sequence[int], costs: LinkCosts | None) -> list[tuple[tuple, tuple]]:
@@ -496,17 +502,22 @@ def _least_time(
             if (c, whole) not in tried:
                 tried.append((c, whole))
     options: list[tuple[int, bool, tuple, tuple, list[Chunk]]] = []
+    ranks: list[tuple[float, int]] = []  # per option, as _cheapest ranks it: each plan modeled once
+
+    def best() -> tuple[int, bool, tuple, tuple, list[Chunk]]:
+        ranks.extend(_rank(o[4], sizes, costs, slots) for o in options[len(ranks):])
+        return options[min(range(len(options)), key=ranks.__getitem__)]
+
     for b, whole in tried:
         r, t = ends(b)
         for rt in dict.fromkeys([(r, t), ((), ())]):
             options.append((b, whole, *rt, plan(b, whole, *rt)))
-    best = _cheapest([o[4] for o in options], sizes, costs, slots)
-    b, whole, r, t, _ = next(o for o in options if o[4] is best)
+    b, whole, r, t, _ = best()
     full_r, full_t = ends(b)
     for rt in {(full_r, ()), ((), full_t)} - {(r, t), (full_r, full_t), ((), ())}:
         options.append((b, whole, *rt, plan(b, whole, *rt)))
-    best = _cheapest([o[4] for o in options], sizes, costs, slots)
-    return next((o[0], o[4]) for o in options if o[4] is best)
+    chosen = best()
+    return chosen[0], chosen[4]
 
 
 def _rule_choices(
