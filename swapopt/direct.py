@@ -113,45 +113,81 @@ class DirectStep:
             out.append(g)
         return cls(out)
 
-    def run(self, optimizer: torch.optim.Optimizer, groups: list[dict]) -> bool:
-        """Step the chunk with the groups' current values; False (nothing done) where the inner step must run
-        instead: a flag changed since the lists were gathered, a grad is missing, or torch would raise."""
+    def calls(self, optimizer: torch.optim.Optimizer, groups: list[dict]) -> DirectCalls | None:
+        """What a step of the chunk with the groups' current values calls, per group copy; None (nothing to call)
+        where the inner step must run instead: a flag changed since the lists were gathered, a grad is missing, or
+        torch would raise."""
         # C-level passes over the tensors (Note [fused kernel call] in swapopt.internals: no Python per tensor)
         for g, group in zip(self.groups, groups):
             if tuple(map(group.get, _FLAGS)) != g.flags:
-                return False
+                return None
             if group["foreach"] and isinstance(group["lr"], torch.Tensor) and not group["capturable"]:
-                return False
+                return None
         dtypes = [set(map(_DTYPE, g.params)) for g in self.groups]
         if any(map(_IS_COMPLEX, chain.from_iterable(dtypes))):
-            return False
+            return None
         grads = [list(map(_GRAD, g.params)) for g in self.groups]
         if any(map(operator.is_, chain.from_iterable(grads), repeat(None))):
-            return False
+            return None
         grad_scale = getattr(optimizer, "grad_scale", None)
         found_inf = getattr(optimizer, "found_inf", None)
-        for g, gs, ds, group in zip(self.groups, grads, dtypes, groups):
+        fused = [
+            g.one_kind and grad_scale is None and found_inf is None
+            and not isinstance(group["lr"], torch.Tensor) and not any(map(torch.is_tensor, group["betas"]))
+            and len(ds) == 1  # a param's ``.data`` may have been given another dtype since
+            for g, ds, group in zip(self.groups, dtypes, groups)
+        ]  # fmt: skip
+        return DirectCalls(list(zip(self.groups, grads, groups, fused)), grad_scale, found_inf)
+
+    def execute(self, calls: DirectCalls, undo: list | None = None) -> bool:
+        """Make ``calls`` (from calls()); True. ``undo`` logs the fused calls' step count adds (Note [undone step
+        counts] in swapopt.internals)."""
+        for g, gs, group, fused in calls.items:
             beta1, beta2 = group["betas"]
-            lr = group["lr"]
-            if (
-                g.one_kind and grad_scale is None and found_inf is None
-                and not isinstance(lr, torch.Tensor) and not isinstance(beta1, torch.Tensor)
-                and not isinstance(beta2, torch.Tensor)
-                and len(ds) == 1  # a param's ``.data`` may have been given another dtype since
-            ):
+            if fused:
                 internals.adam_fused_call(
                     g.params, gs, g.exp_avgs, g.exp_avg_sqs, g.max_exp_avg_sqs, g.steps,
-                    decoupled_weight_decay=group["decoupled_weight_decay"], amsgrad=group["amsgrad"], lr=lr,
+                    decoupled_weight_decay=group["decoupled_weight_decay"], amsgrad=group["amsgrad"], lr=group["lr"],
                     beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"],
-                    maximize=group["maximize"],
+                    maximize=group["maximize"], undo=undo,
                 )  # fmt: skip
                 continue
             internals.adam_functional(
                 g.params, gs, g.exp_avgs, g.exp_avg_sqs, g.max_exp_avg_sqs, g.steps,
-                amsgrad=group["amsgrad"], has_complex=False, beta1=beta1, beta2=beta2, lr=lr,
+                amsgrad=group["amsgrad"], has_complex=False, beta1=beta1, beta2=beta2, lr=group["lr"],
                 weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
                 foreach=group["foreach"], capturable=group["capturable"], differentiable=False,
-                fused=group["fused"], grad_scale=grad_scale, found_inf=found_inf,
+                fused=group["fused"], grad_scale=calls.grad_scale, found_inf=calls.found_inf,
                 decoupled_weight_decay=group["decoupled_weight_decay"],
             )  # fmt: skip
         return True
+
+    def run(
+        self, optimizer: torch.optim.Optimizer, groups: list[dict], undo: list | None = None,
+        copy_counts: Callable[[], Any] | None = None,
+    ) -> bool:  # fmt: skip
+        """Step the chunk with the groups' current values; False (nothing done) where the inner step must run
+        instead (calls()). ``copy_counts`` is called first unless the fused calls alone step the chunk, which log
+        their step count adds in ``undo`` (Note [undone step counts] in swapopt.internals)."""
+        calls = self.calls(optimizer, groups)
+        if calls is None:
+            return False
+        if copy_counts is not None and not calls.fused_only:
+            copy_counts()
+        return self.execute(calls, undo)
+
+
+@dataclass(eq=False)
+class DirectCalls:
+    """The calls of one direct step (DirectStep.calls): per group copy its lists, this step's grads, the group and
+    whether the fused ops are called directly (Note [fused kernel call] in swapopt.internals)."""
+
+    items: list[tuple[_Group, list[torch.Tensor], dict, bool]]
+    grad_scale: Any
+    found_inf: Any
+
+    @property
+    def fused_only(self) -> bool:
+        """Every call is the direct fused one, which takes its step count adds back itself where it raises, and logs
+        them for the failure path otherwise (Note [undone step counts] in swapopt.internals)."""
+        return all(item[3] for item in self.items)

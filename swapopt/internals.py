@@ -256,18 +256,50 @@ def adam_fused_call(
     params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
     exp_avg_sqs: list[torch.Tensor], max_exp_avg_sqs: list[torch.Tensor], steps: list[torch.Tensor], *,
     decoupled_weight_decay: bool, amsgrad: bool, lr: float, beta1: float, beta2: float, weight_decay: float,
-    eps: float, maximize: bool,
+    eps: float, maximize: bool, undo: list | None = None,
 ) -> None:
     """What torch.optim.adam._fused_adam does for lists of one device and dtype, with no grad_scale or found_inf
-    (Note [fused kernel call])."""
+    (Note [fused kernel call]). Its step count add is taken back where the kernel call raises, and logged in
+    ``undo`` (Note [undone step counts])."""
     if not params:
         return
-    torch._foreach_add_(steps, 1)
-    kernel = torch._fused_adamw_ if decoupled_weight_decay else torch._fused_adam_
-    kernel(
-        params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, amsgrad=amsgrad, lr=lr, beta1=beta1,
-        beta2=beta2, weight_decay=weight_decay, eps=eps, maximize=maximize, grad_scale=None, found_inf=None,
-    )  # fmt: skip
+    # [counts, added], logged and marked before the add (Note [undone step counts])
+    entry = [steps, True]
+    if undo is not None:
+        undo.append(entry)
+    try:
+        torch._foreach_add_(steps, 1)
+        kernel = torch._fused_adamw_ if decoupled_weight_decay else torch._fused_adam_
+        kernel(
+            params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, amsgrad=amsgrad, lr=lr, beta1=beta1,
+            beta2=beta2, weight_decay=weight_decay, eps=eps, maximize=maximize, grad_scale=None, found_inf=None,
+        )  # fmt: skip
+    except BaseException:
+        if entry[1]:
+            torch._foreach_sub_(steps, 1)
+            entry[1] = False
+        raise
+
+
+# Note [undone step counts]: the failure path puts the step counts of a chunk whose update raised back to their
+# values before it (Note [failure semantics] in swapopt.recovery). Most updates change them in code that is not
+# swapopt's (the inner optimizer, torch's functional), so a copy of them is stacked before the update (Note
+# [snapshot batches] in swapopt.pipeline): 0.7 us of an H100 host's time per count (torch.stack of 10,000 0-dim
+# CUDA tensors: 7.1 ms, bench/results/cuda-h100-2026-11-27-host-probe.json), every step. The direct fused call
+# (adam_fused_call) is swapopt's own: its only change to the counts is one ``torch._foreach_add_(steps, 1)``, which
+# it takes back itself where the kernel call after it raises, and which it logs in the chunk's ``undo`` list
+# otherwise, so that the failure path subtracts the 1 again (undo_step_adds). A chunk stepped by those calls alone
+# (DirectCalls.fused_only) takes no copy. The add is marked as made before it is called: it is one C call that
+# either adds to every count or raises before changing any (its arguments were checked when the lists were
+# gathered), and an interrupt that arrives during it is raised once it has returned, before any Python statement
+# after it could record it. The subtraction gives back the very value for counts below 2**24 (a float32 count's
+# integers are exact up to there, where the unwrapped optimizer's own count stops advancing).
+def undo_step_adds(undo: list) -> None:
+    """Subtract the logged step count adds (Note [undone step counts]) that were made and not taken back."""
+    for entry in undo:
+        if entry[1]:
+            torch._foreach_sub_(entry[0], 1)
+            entry[1] = False
 
 
 def adam_functional_keywords() -> frozenset[str]:

@@ -295,7 +295,9 @@ class ChunkInputs:
 # them, whose host cost grows with the tensors it stacks (torch.stack's launcher walks every one: 3,282 step counts
 # of the 3,299-tensor MoE layout cost the simulated H100 host 1.9 ms). Taken as one stack before the first update,
 # as it was, that cost sat between the first two swap-ins and the rest of the step, and the link idled for it
-# (1.7 ms of a 19 ms step). So the chunks are stacked in batches, each just before the update of its first chunk:
+# (1.7 ms of a 19 ms step). So the chunks are stacked in batches, each just before the update of its first chunk
+# that takes a copy (chunks stepped by the direct fused calls alone take none, Note [undone step counts] in
+# swapopt.internals):
 # the first batch up to SNAPSHOT_FIRST_BATCH tensors, each later one up to twice the one before (always at least
 # one chunk), so a batch's host cost grows as the copies already queued ahead of it do (ramp chunks double too,
 # Note [ramp] in swapopt.plan), and a plan stacks in a few launches: 3 for 291 step counts, 6 for 3,282. The
@@ -698,7 +700,6 @@ class StepRun:
         with op.updating(k):
             if self.snapshots is None:  # on the stream of the step's first update, before any of them
                 self.snapshots = self.snapshot_scalars()
-            snapshot = self.chunk_snapshot(k)
             kept = ci.take_states(views, self.stale is not None and k not in self.stale) if ci.keeps else None
             if kept is not None:  # the dicts of the last step stand for the states as they are
                 chunk_state, handed = kept
@@ -716,17 +717,29 @@ class StepRun:
                     cuts = ci.cut_pieces = None  # tried again at the next step: the dicts may have changed
                     cut_state = self.made_states(k, ci.cut, targets)
             groups = ci.refresh(self.ctx)
-            progress["scalars"] = snapshot
-            progress["stage"] = ("update", k)
             fast = ci.direct if self.direct_ok and kept is not None and ci.direct_for is chunk_state else None
             flat = ci.flat if fast is not None else None
+            # The step counts' copy for the failure path, taken before the update changes them (copy_counts), but
+            # for a chunk that the direct fused calls alone step: they take their adds back themselves (Note
+            # [undone step counts] in swapopt.internals).
+            undo: list = []
+            progress["undo"] = undo
+
+            def copy_counts() -> None:
+                progress["scalars"] = self.chunk_snapshot(k)
+
+            if ci.kept_positions and (fast is None or flat is not None):
+                copy_counts()
+            progress["stage"] = ("update", k)
             # The flat and direct steps update the tensors of their lists in place and never touch a state dict.
             stepped_directly = (
                 not ci.kept_positions  # a chunk of cut pieces alone: nothing kept to step
                 or flat is not None and flat.run(self.ctx.optimizer, groups, self.scratch)  # Note [flat chunk update]
-                or fast is not None and fast.run(self.ctx.optimizer, groups)  # Note [direct step]
+                or fast is not None and fast.run(self.ctx.optimizer, groups, undo, copy_counts)  # Note [direct step]
             )
             if not stepped_directly:  # steady still where the step left every dict as handed (outputs)
+                if "scalars" not in progress:  # the direct step declined: nothing was done
+                    copy_counts()
                 self.step_made(ci.order, ci.members, groups, chunk_state, bool(ci.masters))
             cut_direct = False
             if cut_state is not None:  # the cut positions: a call of their own (Note [mixed chunks])
@@ -758,6 +771,7 @@ class StepRun:
         progress["stage"] = ("done", k)
         progress.pop("chunk", None)
         progress.pop("scalars", None)
+        progress.pop("undo", None)
         self.d2h += nbytes
 
     def outputs(
@@ -801,7 +815,8 @@ class StepRun:
         its update steps in place, so that a failing update can put them back (Note [failure semantics]). Those are
         the existing non-swapped tensor states of params stepped whole (a split param's pieces step clones). The
         copies are rows of one stack per batch of chunks, device, dtype and shape (Note [snapshot batches]), cut out
-        only by a failure (ScalarRows); a batch is stacked before the update of its first chunk (chunk_snapshot).
+        only by a failure (ScalarRows); a batch is stacked before the update of its first chunk that takes a copy
+        (chunk_snapshot).
         Also sets ``stale``, the chunks whose whole params' non-swapped states changed since the last step (all of
         them: None), once, before the first update."""
         prep = self.prep
@@ -814,7 +829,9 @@ class StepRun:
 
     def chunk_snapshot(self, k: int) -> list:
         """Chunk k's snapshot (snapshot_scalars), its batch stacked now if it was not yet: on the update stream,
-        before any update of that batch's chunks, which alone change their scalars."""
+        before chunk k's update and those after it. Rows of the batch's earlier chunks, stepped already by direct
+        fused calls (Note [undone step counts] in swapopt.internals), hold their new counts; a failed update reads
+        its own chunk's rows only."""
         snapshots = self.snapshots
         if snapshots[k] is None:
             watch = self.prep.scalars

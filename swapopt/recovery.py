@@ -44,6 +44,7 @@ def recover(run: Any) -> None:
     stage, k = progress.get("stage", ("done", -1))
     chunk = progress.pop("chunk", None)
     scalars = progress.pop("scalars", None)
+    undo = progress.pop("undo", None)
     try:
         ctx.operate.drain()
         failed, entered = k + 1, False
@@ -55,7 +56,9 @@ def recover(run: Any) -> None:
             else:
                 failed, entered = k, True
         if entered:
-            # the chunk's own scalar states (step counts) were stepped in place: back to their old values
+            # the chunk's own scalar states (step counts) were stepped in place: back to their old values, the
+            # logged adds first, since a copy taken is from before them (Note [undone step counts])
+            internals.undo_step_adds(undo or ())
             for own, old in scalars or ():
                 internals.foreach_copy(own, list(old))
             names = sorted({pc.index for pc in prep.plan.chunks[failed].pieces})

@@ -8,7 +8,9 @@ says the step failed; and later steps are bitwise those of a reference that took
 
 from __future__ import annotations
 
+import contextlib
 import gc
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -41,6 +43,38 @@ def _grads(ps, rs) -> None:
     for p, r in zip(ps, rs):
         g = torch.empty_like(p).copy_(torch.randn(p.shape))
         p.grad, r.grad = g.clone(), g.clone()
+
+
+@contextlib.contextmanager
+def _errors() -> Iterator[list[str]]:
+    """The ERROR messages swapopt logs meanwhile."""
+    messages: list[str] = []
+    handle = logger.add(lambda m: messages.append(str(m)), level="ERROR")
+    logger.enable("swapopt")
+    try:
+        yield messages
+    finally:
+        logger.remove(handle)
+        logger.disable("swapopt")
+
+
+def _adopt_outcome(ps, rs, opt, ref, old, stepped, failed: set[int]) -> int:
+    """After a failed step of ``opt`` and a successful one of ``ref`` (``old``/``stepped``: the reference before and
+    after): every param outside ``failed`` is stepped, every one inside it untouched or written in place by the
+    failed update; the reference adopts each outcome. Returns how many were written in place."""
+    partial = 0
+    for i, (p, r) in enumerate(zip(ps, rs)):
+        st = opt.state.get(p, {})
+        if matches_snapshot(p, st, stepped[i]):
+            assert i not in failed, i
+            continue
+        assert i in failed, f"param {i} is not stepped"
+        if matches_snapshot(p, st, old[i]):
+            adopt(r, ref.state, *old[i])
+        else:
+            partial += 1
+            adopt(r, ref.state, p.detach(), st)
+    return partial
 
 
 class _Injector:
@@ -162,63 +196,136 @@ def test_a_failed_update_in_a_later_snapshot_batch_gets_its_step_counts_back(mon
     batches]): the last chunk's update runs (its step counts advance in place) and then raises, after the earlier
     batches' chunks were stepped. That chunk's step counts are put back from its batch's stack; every other param
     is stepped; the failed chunk's params are named; later steps match a reference that adopts the outcome."""
-    messages: list[str] = []
-    handle = logger.add(lambda m: messages.append(str(m)), level="ERROR")
-    logger.enable("swapopt")
-    try:
-        with simulator.activate():
-            torch.manual_seed(0)
-            ps = [torch.nn.Parameter(torch.randn(64)) for _ in range(700)]
-            rs = [torch.nn.Parameter(p.detach().clone()) for p in ps]
-            make = MAKERS["adamw_foreach"]
-            opt, ref = SwapOptimizer(make(ps), swap_optimizer_times=8), make(rs)
-            for _ in range(2):
-                _grads(ps, rs)
-                opt.step()
-                ref.step()
-            opt.wait_for_swap_out()
-            watch = opt._layout.prepared.scalars
-            assert len(watch.batches) >= 2, watch.batches
-            plan = opt._layout.prepared.plan
-            k = len(plan.chunks) - 1  # in the last batch: every earlier batch was stacked and its chunks stepped
-            assert watch.batch_of[k] == len(watch.batches) - 1 > watch.batch_of[0]
-            failed = {pc.index for pc in plan.chunks[k].pieces}
-            calls = []
-            real = opt._step_fn
+    with _errors() as messages, simulator.activate():
+        torch.manual_seed(0)
+        ps = [torch.nn.Parameter(torch.randn(64)) for _ in range(700)]
+        rs = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+        make = MAKERS["adamw_foreach"]
+        opt, ref = SwapOptimizer(make(ps), swap_optimizer_times=8), make(rs)
+        for _ in range(2):
+            _grads(ps, rs)
+            opt.step()
+            ref.step()
+        opt.wait_for_swap_out()
+        watch = opt._layout.prepared.scalars
+        assert len(watch.batches) >= 2, watch.batches
+        plan = opt._layout.prepared.plan
+        k = len(plan.chunks) - 1  # in the last batch: every earlier batch was stacked and its chunks stepped
+        assert watch.batch_of[k] == len(watch.batches) - 1 > watch.batch_of[0]
+        failed = {pc.index for pc in plan.chunks[k].pieces}
+        calls = []
+        real = opt._step_fn
 
-            def step_then_raise(*args, **kwargs):
-                calls.append(1)
-                out = real(*args, **kwargs)
-                if len(calls) == k + 1:
-                    raise Boom("after the inner step")
+        def step_then_raise(*args, **kwargs):
+            calls.append(1)
+            out = real(*args, **kwargs)
+            if len(calls) == k + 1:
+                raise Boom("after the inner step")
+            return out
+
+        monkeypatch.setattr(opt, "_step_fn", step_then_raise)
+        _grads(ps, rs)
+        old = snapshot_params(rs, ref.state)
+        counts = {i: opt.state[p]["step"].item() for i, p in enumerate(ps)}
+        with pytest.raises(Boom):
+            opt.step()
+        assert len(calls) == k + 1
+        monkeypatch.undo()
+        ref.step()
+        stepped = snapshot_params(rs, ref.state)
+        opt.wait_for_swap_out()
+        for i, p in enumerate(ps):  # the failed chunk's counts put back, every other one advanced
+            assert opt.state[p]["step"].item() == counts[i] + (i not in failed), i
+        named = {i for i, p in enumerate(ps) if any(f"of shape {tuple(p.shape)}" in m for m in messages)}
+        assert named or not failed
+        _adopt_outcome(ps, rs, opt, ref, old, stepped, failed)
+        assert_steps_match(opt, ref, ps, rs, _grads)
+
+
+@pytest.mark.parametrize("where", ["kernel", "interrupt_after_add"])
+@pytest.mark.parametrize("fail_call", [0, 1])
+def test_a_failed_fused_update_takes_its_step_count_adds_back(fail_call, where, monkeypatch):
+    """Fused AdamW steps each chunk by the direct fused calls, one a group, which take no copy of the step counts
+    (Note [undone step counts] in swapopt.internals): no stack is issued for them. Three groups over two chunks, so
+    that each chunk makes two calls; the kernel raises at chunk 1's first call (its own add is taken back) or at its
+    second (the first call's add is taken back by the failure path; its params, written in place, are named); or a
+    Ctrl-C lands as that call's step count add returns, where Python raises an interrupt that came during a C call. Chunk 1's
+    step counts are then the old ones, chunk 0's advanced; every param is stepped, untouched or named; later steps
+    match a reference that adopts the outcome."""
+    with _errors() as messages, simulator.activate():
+        torch.manual_seed(0)
+        ps = [torch.nn.Parameter(torch.randn(64)) for _ in range(12)]
+        rs = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+
+        def make(q):
+            return O.AdamW(
+                [{"params": q[:4]}, {"params": q[4:8], "lr": 3e-3}, {"params": q[8:], "weight_decay": 0.0}],
+                lr=1e-2, weight_decay=0.1, fused=True,
+            )  # fmt: skip
+
+        opt, ref = SwapOptimizer(make(ps), swap_optimizer_times=2), make(rs)
+        stacks: list[int] = []
+        real_stack = torch.stack
+
+        def counting_stack(*a, **kw):
+            stacks.append(1)
+            return real_stack(*a, **kw)
+
+        monkeypatch.setattr(torch, "stack", counting_stack)
+        for _ in range(3):
+            _grads(ps, rs)
+            opt.step()
+            ref.step()
+        opt.wait_for_swap_out()
+        prep = opt._layout.prepared
+        chunks = prep.plan.chunks
+        calls_in = [len({prep.groups[pc.index] for pc in c.pieces}) for c in chunks]
+        assert calls_in == [2, 2], calls_in
+        stacks.clear()
+        _grads(ps, rs)
+        opt.step()  # a steady step: every chunk stepped by the fused calls alone
+        ref.step()
+        assert not stacks, "a step count copy was stacked for chunks stepped by the direct fused calls"
+        opt.wait_for_swap_out()
+        counts = {i: float(opt.state[p]["step"]) for i, p in enumerate(ps)}
+        failing = calls_in[0] + fail_call
+        seen: list[int] = []
+        if where == "kernel":
+            real_kernel = torch._fused_adamw_
+
+            def kernel(*a, **kw):
+                seen.append(1)
+                if len(seen) == failing + 1:
+                    raise Boom("inside the fused kernel call")
+                return real_kernel(*a, **kw)
+
+            monkeypatch.setattr(torch, "_fused_adamw_", kernel)
+        else:
+            real_add = torch._foreach_add_
+
+            def add(*a, **kw):
+                out = real_add(*a, **kw)
+                seen.append(1)
+                if len(seen) == failing + 1:
+                    raise KeyboardInterrupt  # as Python raises a Ctrl-C that came during the C call
                 return out
 
-            monkeypatch.setattr(opt, "_step_fn", step_then_raise)
-            _grads(ps, rs)
-            old = snapshot_params(rs, ref.state)
-            counts = {i: opt.state[p]["step"].item() for i, p in enumerate(ps)}
-            with pytest.raises(Boom):
-                opt.step()
-            assert len(calls) == k + 1
-            monkeypatch.undo()
-            ref.step()
-            stepped = snapshot_params(rs, ref.state)
-            opt.wait_for_swap_out()
-            for i, p in enumerate(ps):  # the failed chunk's counts put back, every other one advanced
-                assert opt.state[p]["step"].item() == counts[i] + (i not in failed), i
-            named = {i for i, p in enumerate(ps) if any(f"of shape {tuple(p.shape)}" in m for m in messages)}
-            assert named or not failed
-            for i, (p, r) in enumerate(zip(ps, rs)):
-                st = opt.state.get(p, {})
-                if matches_snapshot(p, st, stepped[i]):
-                    assert i not in failed, i
-                    continue
-                assert i in failed, f"param {i} is not stepped"
-                if matches_snapshot(p, st, old[i]):
-                    adopt(r, ref.state, *old[i])
-                else:  # the update wrote the param in place before raising: named, the reference adopts it
-                    adopt(r, ref.state, p.detach(), st)
-            assert_steps_match(opt, ref, ps, rs, _grads)
-    finally:
-        logger.remove(handle)
-        logger.disable("swapopt")
+            monkeypatch.setattr(torch, "_foreach_add_", add)
+        _grads(ps, rs)
+        old = snapshot_params(rs, ref.state)
+        with pytest.raises((Boom, KeyboardInterrupt)):
+            opt.step()
+        assert len(seen) == failing + 1, seen
+        monkeypatch.undo()
+        ref.step()
+        stepped = snapshot_params(rs, ref.state)
+        opt.wait_for_swap_out()
+        failed = {pc.index for pc in chunks[1].pieces}
+        for i, p in enumerate(ps):  # chunk 1's counts old (the adds taken back), chunk 0's advanced
+            assert float(opt.state[p]["step"]) == counts[i] + (i not in failed), i
+        named = {i for i, p in enumerate(ps) if any(f"of shape {tuple(p.shape)}" in m for m in messages)}
+        assert named, messages  # every param has one shape: the ERROR names chunk 1's
+        partial = _adopt_outcome(ps, rs, opt, ref, old, stepped, failed)
+        first = [pc for pc in chunks[1].pieces if prep.groups[pc.index] == prep.groups[chunks[1].pieces[0].index]]
+        assert partial == (len(first) if fail_call else 0), partial  # what chunk 1's first call stepped
+        assert_steps_match(opt, ref, ps, rs, _grads)

@@ -165,12 +165,14 @@ PRESETS: dict[str, SimPreset] = {
             "_fused_adamw_ over 5 lists of 10,000: 59,996 tensors beyond two per op): (34.792 ms step - 2 launches - "
             "13 us of device work) / 59,996 (bench/results/cuda-h100-2026-11-26-verify-b.md, Layouts, tiny10k, "
             "resident-fused, step ms)",
-            "host_ref_us": f"derived from the layout rows of the run on {_H100_RUN}: no run timed "
-            "host_time.reference_work() on the H100's host (python -m swapopt.verify does now); "
+            "host_ref_us": f"derived from the layout rows of the run on {_H100_RUN}: "
             "it is the time that puts the measured clock's scaled Python of e190371's swapped fsdp256 step at 64 "
             "chunks on the H100's host CPU time for it, 14.5 ms (bench/results/cuda-h100-2026-11-26-verify-b.md, "
             "Layouts, fsdp256, swapopt t=64 s=3, host CPU ms), times this machine's reference_us() in that run "
-            "(bench/results/sim-h100-2026-11-26-fidelity-e190371-after.md, Calibration of the measured clock's figures)",
+            "(bench/results/sim-h100-2026-11-26-fidelity-e190371-after.md, Calibration of the measured clock's figures). "
+            "So it maps the simulator's Python (slower than torch's own on the same host: every op enters the "
+            "simulator's modes) to the H100 host's, and is not that host's time for reference_work(), which leases "
+            "of 2026-11-27 measured at 5,894-6,105 and 9,144-11,566 us (bench/results/cuda-h100-2026-11-27-undo.md)",
             "launcher_tensor_us": f"derived from the layout rows of the run on {_H100_RUN}: tiny10k's resident "
             "fused AdamW step (34.792 ms, "
             "bench/results/cuda-h100-2026-11-26-verify-b.md, Layouts, tiny10k, resident-fused, step ms) less "

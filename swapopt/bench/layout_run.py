@@ -9,6 +9,7 @@ against state bytes.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import statistics
 from collections.abc import Callable, Sequence
@@ -19,6 +20,7 @@ from loguru import logger
 from pydantic import BaseModel
 
 import device
+from device.sim import host_time
 from device.sim.presets import SimPreset
 from swapopt import flat as flat_update
 from swapopt.bench.counts import count_call, host_cpu_seconds, pinned_host_bytes
@@ -70,7 +72,8 @@ class LayoutRow(BaseModel):
     host_ms: float | None = None
     # Python host time: the counted step's CPU time outside every aten op (less the counter's cost). On
     # the simulator each op also runs the simulator's Python accounting, which no device has: this is the
-    # part of host_ms that carries over to a GPU or NPU.
+    # part of host_ms that carries over to a GPU or NPU; on the simulator scaled to the preset's host
+    # (python_scale).
     python_ms: float | None = None
     host_ratio: float | None = None  # python_ms / the resident row's python_ms
     # The host budget of a swapped step: HOST_CHUNK_US per chunk plus HOST_TENSOR_US per tensor, and python_ms
@@ -96,6 +99,8 @@ class LayoutResult(BaseModel):
     resident_ms: float | None
     bound_ms: float
     rows: list[LayoutRow]
+    # What the rows' Python ms were scaled by (python_scale): 1 on a device; None in results written before
+    python_scale: float | None = None
     # The link floor of the step's bytes (link_floor_ms) and the sharing rule it assumes; None in results
     # written before they were reported.
     floor_ms: float | None = None
@@ -171,7 +176,7 @@ def _measure(
         row.aten_ops, row.launches = counts.aten_ops, counts.launches
         on_host = device.is_simulated()
         row.host_ms = statistics.median(c.own_host_s(device_work_on_host=on_host) for c in runs) * 1e3
-        row.python_ms = statistics.median(c.python_host_s() for c in runs) * 1e3
+        row.python_ms = statistics.median(c.python_host_s() for c in runs) * 1e3 * python_scale()
         row.h2d_copies, row.d2h_copies = counts.h2d_copies, counts.d2h_copies
         pinned_after = _pinned_now()
         if pinned_before is not None and pinned_after is not None:
@@ -196,6 +201,21 @@ def _measure(
             row.note = f"failed: {type(err).__name__}: {' '.join(str(err).split())[:200]}"
             logger.opt(exception=err).error("{}: the flat chunk update failed", row.label)
     return row
+
+
+def python_scale() -> float:
+    """What one second of this machine's Python is on the device's host: 1 on a device; on the simulator, its
+    preset's ``host_ref_us`` over this machine's ``reference_us()`` (Note [scaled Python] in
+    device/sim/host_time.py), timed once per process; 1 where the preset has no ``host_ref_us``."""
+    preset = getattr(device.get_torch_device_module(), "preset", None)
+    if not isinstance(preset, SimPreset) or preset.host_ref_us <= 0:
+        return 1.0
+    return preset.host_ref_us / _reference_us()
+
+
+@functools.cache
+def _reference_us() -> float:
+    return host_time.reference_us()
 
 
 def run_layout(
@@ -242,7 +262,7 @@ def run_layout(
     return derive(LayoutResult(
         layout=shape.name, source=shape.source, scale=shape.scale, tensors=shape.count, numel=shape.numel,
         state_bytes=state_bytes, bandwidth=bandwidth, resident_ms=resident_ms, bound_ms=bound, rows=rows,
-        floor_ms=floor, link_sharing=rule,
+        floor_ms=floor, link_sharing=rule, python_scale=python_scale(),
     ))
 
 
@@ -356,6 +376,13 @@ def layouts_markdown(results: Sequence[LayoutResult]) -> str:
         "issued one after another, as a training loop issues them (each step timed alone starts from an idle device, "
         "so host work before its first device op, a replay's checks, counts in it). Cap = (slots + 1) x chunk."
     )
+    scaled = [r.python_scale for r in results if r.python_scale not in (None, 1.0)]
+    if scaled:
+        out[-1] += (
+            f" On the simulator Python ms is this machine's scaled to the preset's host: x {scaled[0]:.3f} (the "
+            "preset's host_ref_us over this machine's time for the same reference Python, Note [scaled Python] in "
+            "device/sim/host_time.py)."
+        )
     out.append("")
     for res in results:
         scale = "real sizes" if res.scale == 1 else f"every dim / {res.scale}"

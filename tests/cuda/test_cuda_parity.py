@@ -111,3 +111,60 @@ def test_cuda_peak_memory(slots):
         # only the fused optimizer's device step counters (one 512-byte block each) were added, on step 1
         assert torch.cuda.memory_allocated() <= base + (len(params) + 1) * 512
         del probe
+
+
+@pytest.mark.parametrize("where", ["kernel", "after_add"])
+def test_a_failed_fused_update_takes_its_step_count_adds_back_on_cuda(where, monkeypatch):
+    """Fused AdamW steps each chunk by the direct fused call, which takes no copy of the step counts (Note [undone
+    step counts] in swapopt.internals). The kernel of chunk 1 raises, or a Ctrl-C lands as its step count add returns:
+    chunk 1's params and step counts are as before the step, chunk 0's stepped, and the next step runs."""
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    ps = [torch.nn.Parameter(torch.randn(256, device=dev)) for _ in range(8)]
+    opt = SwapOptimizer(O.AdamW(ps, lr=1e-2, fused=True), swap_optimizer_times=2)
+    for _ in range(3):
+        for p in ps:
+            p.grad = torch.randn(p.shape, device=dev)
+        opt.step()
+    opt.wait_for_swap_out()
+    chunks = opt._layout.prepared.plan.chunks
+    assert len(chunks) == 2
+    counts = [float(opt.state[p]["step"]) for p in ps]
+    values = [p.detach().clone() for p in ps]
+    seen: list[int] = []
+    if where == "kernel":
+        real = torch._fused_adamw_
+
+        def kernel(*a, **kw):
+            seen.append(1)
+            if len(seen) == 2:
+                raise RuntimeError("inside the fused kernel call")
+            return real(*a, **kw)
+
+        monkeypatch.setattr(torch, "_fused_adamw_", kernel)
+    else:
+        real = torch._foreach_add_
+
+        def add(*a, **kw):
+            out = real(*a, **kw)
+            seen.append(1)
+            if len(seen) == 2:
+                raise KeyboardInterrupt
+            return out
+
+        monkeypatch.setattr(torch, "_foreach_add_", add)
+    for p in ps:
+        p.grad = torch.randn(p.shape, device=dev)
+    with pytest.raises((RuntimeError, KeyboardInterrupt)):
+        opt.step()
+    monkeypatch.undo()
+    opt.wait_for_swap_out()
+    torch.cuda.synchronize()
+    failed = {pc.index for pc in chunks[1].pieces}
+    assert failed and failed.isdisjoint(pc.index for pc in chunks[0].pieces)
+    for i, p in enumerate(ps):
+        assert float(opt.state[p]["step"]) == counts[i] + (i not in failed), i
+        assert torch.equal(p.detach(), values[i]) == (i in failed), i
+    opt.step()
+    opt.wait_for_swap_out()
+    assert not opt.swap_stats().failed
