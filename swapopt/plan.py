@@ -320,7 +320,8 @@ def _chunk_work(chunk: Chunk, sizes: dict[int, ParamSize]) -> tuple[int, int, in
     of its param (its states lie whole and dense elsewhere, so that piece's range of each state is a range of its
     own: one state's joins the run beside it, the others' are copies of their own; Note [chunk count from costs]).
     Tensors per piece: the update's lists (param, grad, states, step count), the step count's add and its
-    snapshot (Note [snapshot batches] in swapopt.pipeline)."""
+    snapshot (Note [snapshot batches] in swapopt.pipeline), which a chunk stepped by the direct fused calls alone
+    does not take (Note [undone step counts] in swapopt.internals), so there the count is one a piece high."""
     extra = cut = tensors = 0
     for pc in chunk.pieces:
         size = sizes.get(pc.index)
