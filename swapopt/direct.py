@@ -113,22 +113,26 @@ class DirectStep:
             out.append(g)
         return cls(out)
 
-    def calls(self, optimizer: torch.optim.Optimizer, groups: list[dict]) -> DirectCalls | None:
-        """What a step of the chunk with the groups' current values calls, per group copy; None (nothing to call)
-        where the inner step must run instead: a flag changed since the lists were gathered, a grad is missing, or
-        torch would raise."""
+    def run(
+        self, optimizer: torch.optim.Optimizer, groups: list[dict], undo: list | None = None,
+        copy_counts: Callable[[], Any] | None = None,
+    ) -> bool:  # fmt: skip
+        """Step the chunk with the groups' current values; False (nothing done) where the inner step must run
+        instead: a flag changed since the lists were gathered, a grad is missing, or torch would raise.
+        ``copy_counts`` is called first unless the direct fused calls alone step the chunk, which log their step
+        count adds in ``undo`` (Note [undone step counts] in swapopt.internals)."""
         # C-level passes over the tensors (Note [fused kernel call] in swapopt.internals: no Python per tensor)
         for g, group in zip(self.groups, groups):
             if tuple(map(group.get, _FLAGS)) != g.flags:
-                return None
+                return False
             if group["foreach"] and isinstance(group["lr"], torch.Tensor) and not group["capturable"]:
-                return None
+                return False
         dtypes = [set(map(_DTYPE, g.params)) for g in self.groups]
         if any(map(_IS_COMPLEX, chain.from_iterable(dtypes))):
-            return None
+            return False
         grads = [list(map(_GRAD, g.params)) for g in self.groups]
         if any(map(operator.is_, chain.from_iterable(grads), repeat(None))):
-            return None
+            return False
         grad_scale = getattr(optimizer, "grad_scale", None)
         found_inf = getattr(optimizer, "found_inf", None)
         fused = [
@@ -137,14 +141,11 @@ class DirectStep:
             and len(ds) == 1  # a param's ``.data`` may have been given another dtype since
             for g, ds, group in zip(self.groups, dtypes, groups)
         ]  # fmt: skip
-        return DirectCalls(list(zip(self.groups, grads, groups, fused)), grad_scale, found_inf)
-
-    def execute(self, calls: DirectCalls, undo: list | None = None) -> bool:
-        """Make ``calls`` (from calls()); True. ``undo`` logs the fused calls' step count adds (Note [undone step
-        counts] in swapopt.internals)."""
-        for g, gs, group, fused in calls.items:
+        if copy_counts is not None and not all(fused):
+            copy_counts()
+        for g, gs, group, direct_fused in zip(self.groups, grads, groups, fused):
             beta1, beta2 = group["betas"]
-            if fused:
+            if direct_fused:
                 internals.adam_fused_call(
                     g.params, gs, g.exp_avgs, g.exp_avg_sqs, g.max_exp_avg_sqs, g.steps,
                     decoupled_weight_decay=group["decoupled_weight_decay"], amsgrad=group["amsgrad"], lr=group["lr"],
@@ -157,37 +158,7 @@ class DirectStep:
                 amsgrad=group["amsgrad"], has_complex=False, beta1=beta1, beta2=beta2, lr=group["lr"],
                 weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
                 foreach=group["foreach"], capturable=group["capturable"], differentiable=False,
-                fused=group["fused"], grad_scale=calls.grad_scale, found_inf=calls.found_inf,
+                fused=group["fused"], grad_scale=grad_scale, found_inf=found_inf,
                 decoupled_weight_decay=group["decoupled_weight_decay"],
             )  # fmt: skip
         return True
-
-    def run(
-        self, optimizer: torch.optim.Optimizer, groups: list[dict], undo: list | None = None,
-        copy_counts: Callable[[], Any] | None = None,
-    ) -> bool:  # fmt: skip
-        """Step the chunk with the groups' current values; False (nothing done) where the inner step must run
-        instead (calls()). ``copy_counts`` is called first unless the fused calls alone step the chunk, which log
-        their step count adds in ``undo`` (Note [undone step counts] in swapopt.internals)."""
-        calls = self.calls(optimizer, groups)
-        if calls is None:
-            return False
-        if copy_counts is not None and not calls.fused_only:
-            copy_counts()
-        return self.execute(calls, undo)
-
-
-@dataclass(eq=False)
-class DirectCalls:
-    """The calls of one direct step (DirectStep.calls): per group copy its lists, this step's grads, the group and
-    whether the fused ops are called directly (Note [fused kernel call] in swapopt.internals)."""
-
-    items: list[tuple[_Group, list[torch.Tensor], dict, bool]]
-    grad_scale: Any
-    found_inf: Any
-
-    @property
-    def fused_only(self) -> bool:
-        """Every call is the direct fused one, which takes its step count adds back itself where it raises, and logs
-        them for the failure path otherwise (Note [undone step counts] in swapopt.internals)."""
-        return all(item[3] for item in self.items)

@@ -289,10 +289,10 @@ def adam_fused_call(
 # (adam_fused_call) is swapopt's own: its only change to the counts is one ``torch._foreach_add_(steps, 1)``, which
 # it takes back itself where the kernel call after it raises, and which it logs in the chunk's ``undo`` list
 # otherwise, so that the failure path subtracts the 1 again (undo_step_adds). A chunk stepped by those calls alone
-# (DirectCalls.fused_only) takes no copy. The add is marked as made before it is called: it is one C call that
-# either adds to every count or raises before changing any (its arguments were checked when the lists were
-# gathered), and an interrupt that arrives during it is raised once it has returned, before any Python statement
-# after it could record it. The subtraction gives back the very value for counts below 2**24 (a float32 count's
+# takes no copy (DirectStep.run calls its ``copy_counts`` only before other calls). The add is marked as made before
+# it is called: it is one C call that either adds to every count or raises before changing any (its arguments were
+# checked when the lists were gathered), and an interrupt that arrives during it is raised once it has returned,
+# before any Python statement after it could record it. The subtraction gives back the very value for counts below 2**24 (a float32 count's
 # integers are exact up to there, where the unwrapped optimizer's own count stops advancing).
 def undo_step_adds(undo: list) -> None:
     """Subtract the logged step count adds (Note [undone step counts]) that were made and not taken back."""

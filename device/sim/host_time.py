@@ -137,6 +137,17 @@ def reference_us(repeats: int = 15) -> float:
     return best * 1e6
 
 
+def python_scale(host_ref_us: float) -> float:
+    """What one second of this machine's Python is on a host that takes ``host_ref_us`` for ``reference_work()``
+    (Note [scaled Python]); 1 where that is not known (0). This machine's time is taken once per process."""
+    return host_ref_us / _reference_once() if host_ref_us > 0 else 1.0
+
+
+@functools.cache
+def _reference_once() -> float:
+    return reference_us()
+
+
 @functools.cache
 def entry_costs() -> tuple[float, float]:
     """(microseconds per entry, microseconds per tensor argument of an op) this machine spends entering the

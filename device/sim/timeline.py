@@ -106,8 +106,7 @@ class Timeline:
         self.python_scale, self._entry_us, self._entry_tensor_us = 1.0, 0.0, 0.0
         if self.host_clock == "measured":
             self._entry_us, self._entry_tensor_us = host_time.entry_costs()
-            if preset.host_ref_us > 0:
-                self.python_scale = preset.host_ref_us / host_time.reference_us()
+            self.python_scale = host_time.python_scale(preset.host_ref_us)
         self._lane_free = dict.fromkeys(LANES, 0.0)  # when each lane's last scheduled op ends
         # Busy intervals of the compute lane, sorted and disjoint, kept from the host's time on (nothing
         # launched later can start before it): the idle gaps between them take later-ready kernels, in pieces

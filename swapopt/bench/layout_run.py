@@ -9,7 +9,6 @@ against state bytes.
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import statistics
 from collections.abc import Callable, Sequence
@@ -205,17 +204,9 @@ def _measure(
 
 def python_scale() -> float:
     """What one second of this machine's Python is on the device's host: 1 on a device; on the simulator, its
-    preset's ``host_ref_us`` over this machine's ``reference_us()`` (Note [scaled Python] in
-    device/sim/host_time.py), timed once per process; 1 where the preset has no ``host_ref_us``."""
+    preset's (host_time.python_scale, Note [scaled Python] in device/sim/host_time.py)."""
     preset = getattr(device.get_torch_device_module(), "preset", None)
-    if not isinstance(preset, SimPreset) or preset.host_ref_us <= 0:
-        return 1.0
-    return preset.host_ref_us / _reference_us()
-
-
-@functools.cache
-def _reference_us() -> float:
-    return host_time.reference_us()
+    return host_time.python_scale(preset.host_ref_us) if isinstance(preset, SimPreset) else 1.0
 
 
 def run_layout(
