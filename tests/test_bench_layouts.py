@@ -3,15 +3,18 @@ simulator's own timeline."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
+import statistics
 
 import pytest
 import torch
 
 import device
 from swapopt import flat
-from swapopt.bench.counts import LaunchCounter, count_call, pinned_host_bytes
+from swapopt.bench import layout_run
+from swapopt.bench.counts import LaunchCounter, StepCounts, count_call, pinned_host_bytes
 from swapopt.bench.layout_run import LayoutResult, derive, layout_targets, layouts_markdown, run_layout
 from swapopt.bench.layouts import (
     Layout,
@@ -184,13 +187,36 @@ def test_layout_run_rows_have_every_field(sim):
         assert r.floor_ratio == pytest.approx(r.step_ms / res.floor_ms) and r.floor_ratio >= 1.0
         assert r.pinned_bytes > 0 and r.cpu_ms > 0 and r.host_ms is not None
         assert r.extra_host_us_per_param is not None
+    # each row's Python scaled to the preset's host by the factors timed beside its counted steps
+    assert all(r.python_scale > 0 for r in res.rows)
+    assert res.python_scale == statistics.median(r.python_scale for r in res.rows)
     again = derive(LayoutResult.model_validate_json(res.model_dump_json()))
     assert again == res  # a result read back from JSON renders the same
     md = layouts_markdown([res])
     assert "### small: 12 tensors" in md and md.count("| swapopt t=") == 2
+    assert "each counted step's by the factor timed beside it" in md
     targets = layout_targets(res)
     assert len(targets) == 2 and all("launches" in t and "pinned" in t and "peak" in t for t in targets)
     assert all(t in md for t in targets)
+
+
+def test_layout_rows_scale_each_counted_steps_python_by_the_factor_timed_beside_it(sim, monkeypatch):
+    """This machine's speed drifts within seconds: a counted step's Python is scaled by the mean of the factors timed
+    right before and right after it, and the row's Python ms is the median of the scaled steps."""
+    cycle, factors = itertools.cycle([1.0, 3.0, 5.0, 9.0]), []
+    monkeypatch.setattr(layout_run, "step_python_scale", lambda: factors.append(next(cycle)) or factors[-1])
+    seen: list[float] = []
+    python_host_s = StepCounts.python_host_s
+    monkeypatch.setattr(StepCounts, "python_host_s", lambda self: seen.append(python_host_s(self)) or seen[-1])
+    res = run_layout(_small_layout(), times=(2,), bandwidth_repeats=1)
+    n = layout_run.HOST_REPEATS
+    assert len(seen) == n * len(res.rows) and len(factors) == 2 * len(seen)
+    for i, r in enumerate(res.rows):
+        steps = range(i * n, (i + 1) * n)
+        scales = [(factors[2 * j] + factors[2 * j + 1]) / 2 for j in steps]
+        assert set(scales) == {2.0, 7.0}  # steps alternate: (1 + 3) / 2, then (5 + 9) / 2
+        assert r.python_scale == statistics.median(scales)
+        assert r.python_ms == pytest.approx(statistics.median(seen[j] * f for j, f in zip(steps, scales)) * 1e3)
 
 
 def test_layout_run_flat_rows_take_the_flat_update(sim):

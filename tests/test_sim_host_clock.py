@@ -14,6 +14,7 @@ import torch
 
 import simdevice as simulator
 from device.sim import host_time
+from device.sim import timeline as timeline_module
 from device.sim.timeline import HOST_CLOCK_ENV, Timeline
 
 H100 = simulator.PRESETS["h100"]
@@ -107,6 +108,32 @@ def test_measured_clock_scales_python_to_the_device_host(clean_device_env):
         spent = sim.now_us() - start
     issue = H100.launch_us + 8 * H100.launcher_tensor_us
     assert 0.95 * (50_000 * scale) + issue <= spent <= 1.1 * (50_000 * scale) + issue
+
+
+def test_measured_clock_times_the_reference_again_as_the_machine_drifts(clean_device_env, monkeypatch):
+    """A shared machine's speed drifts within seconds: every SCALE_EVERY_S of CPU time the clock times the reference
+    work again (host_time.python_scale_now) and charges what follows at the new scale; that timing itself is not
+    charged as the program's Python."""
+    clean_device_env.setenv(HOST_CLOCK_ENV, "measured")
+    monkeypatch.setattr(timeline_module, "SCALE_EVERY_S", 0.02)
+    retimed: list[float] = []
+
+    def scale_now(host_ref_us: float) -> float:
+        _busy(0.05)  # a slow reference: charged as the program's Python, it would show
+        retimed.append(0.5)
+        return 0.5
+
+    monkeypatch.setattr(host_time, "python_scale_now", scale_now)
+    with simulator.activate("h100", sanitize=False) as sim:
+        x = torch.zeros(4)
+        x.add_(1)
+        _busy(0.03)
+        x.add_(1)  # more than SCALE_EVERY_S since the first: timed again, after this op's charge
+        assert retimed == [0.5] and sim._timeline.python_scale == 0.5
+        start = sim.now_us()
+        x.add_(1)  # what follows the retiming: charged at its scale, the retiming's 50 ms not
+        spent = sim.now_us() - start
+    assert spent < H100.launch_us + 0.5 * 20_000
 
 
 def test_measured_clock_does_not_charge_the_simulators_entry(clean_device_env):

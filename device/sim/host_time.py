@@ -103,7 +103,8 @@ def counted_methods(*names: str) -> Callable[[type], type]:
 #   since a device host pays its own launch cost instead (the preset's launch figures);
 # - what is left is scaled by the device host's speed against this machine's: the preset's ``host_ref_us`` (the
 #   device host's CPU time for ``reference_work()``) over ``reference_us()`` (this machine's, timed once per
-#   process).
+#   process by the clock; beside each counted step by the layout bench, ``python_scale_now``, since a shared
+#   machine's speed drifts within seconds).
 
 
 def reference_work() -> int:
@@ -148,6 +149,13 @@ def _reference_once() -> float:
     return reference_us()
 
 
+def python_scale_now(host_ref_us: float, repeats: int = 3) -> float:
+    """``python_scale`` with this machine's time for the reference work taken now rather than once per process:
+    for a measurement that times its own Python beside it. A shared machine's speed drifts: on a 2-core host the
+    least of 5 runs read 8.1-17.9 ms over 12 seconds."""
+    return host_ref_us / reference_us(repeats) if host_ref_us > 0 else 1.0
+
+
 @functools.cache
 def entry_costs() -> tuple[float, float]:
     """(microseconds per entry, microseconds per tensor argument of an op) this machine spends entering the
@@ -186,7 +194,7 @@ def entry_costs() -> tuple[float, float]:
         __torch_dispatch__ = dispatch
 
     class _Wrapped(torch.Tensor):  # the simulator's tensors are a subclass: torch checks each argument's type
-        pass
+        __torch_function__ = torch._C._disabled_torch_function_impl  # as SimTensor's (device/sim/tensor.py)
 
     x = torch.zeros(4).as_subclass(_Wrapped)
     lists = {n: [x] * n for n in (8, 64)}

@@ -80,6 +80,8 @@ _new_tuple = tuple.__new__
 # The other direction of each copy lane: they share the link's aggregate cap.
 _OPPOSITE = {"h2d": "d2h", "d2h": "h2d"}
 HOST_CLOCKS = ("ops", "measured")  # Note [host clock]
+# The measured clock times this machine's reference work again after this many CPU seconds of the issuing thread.
+SCALE_EVERY_S = 1.0
 HOST_CLOCK_ENV = "SWAPOPT_SIM_HOST_CLOCK"
 # A flow segment of a copy lane: (start_us, end_us, bytes per us, bytes per us the copy moves with both busy).
 Segment = tuple[float, float, float, float]
@@ -101,7 +103,8 @@ class Timeline:
         if self.host_clock not in HOST_CLOCKS:
             raise ValueError(f"host_clock must be one of {', '.join(HOST_CLOCKS)}, got {self.host_clock!r}")
         # "measured": per thread, (CPU seconds, seconds inside simulator frames, simulator entries) when its last op
-        # was charged; this machine's entry costs and the device host's speed against it (Note [scaled Python]).
+        # was charged (last) and its CPU seconds when it last timed the reference work (scale_at); this machine's
+        # entry costs and the device host's speed against it (Note [scaled Python]).
         self._python_mark = threading.local()
         self.python_scale, self._entry_us, self._entry_tensor_us = 1.0, 0.0, 0.0
         if self.host_clock == "measured":
@@ -368,6 +371,18 @@ class Timeline:
             python_us = ((now - mark[0]) - (inside - mark[1])) * 1e6
             python_us -= (entries - mark[2]) * self._entry_us + tensors * self._entry_tensor_us
             self.host_us += max(python_us, 0.0) * self.python_scale
+        # This machine's speed drifts within seconds (Note [scaled Python]): every SCALE_EVERY_S of a thread's CPU
+        # time, the reference is timed again, in a simulator frame, so its CPU time is not charged as the program's.
+        taken = getattr(self._python_mark, "scale_at", None)
+        if taken is None:
+            self._python_mark.scale_at = now
+        elif self.preset.host_ref_us > 0 and now - taken > SCALE_EVERY_S:
+            self._python_mark.scale_at = now
+            host_time.enter()
+            try:
+                self.python_scale = host_time.python_scale_now(self.preset.host_ref_us)
+            finally:
+                host_time.leave()
 
     def host_op(self, nbytes: int, name: str, label: str | None) -> None:
         if self.host_clock == "measured":

@@ -74,6 +74,9 @@ class LayoutRow(BaseModel):
     # part of host_ms that carries over to a GPU or NPU; on the simulator scaled to the preset's host
     # (python_scale).
     python_ms: float | None = None
+    # What python_ms was scaled by: 1 on a device; on the simulator the median of the counted steps' factors, each
+    # timed beside its step (step_python_scale). None in results written before.
+    python_scale: float | None = None
     host_ratio: float | None = None  # python_ms / the resident row's python_ms
     # The host budget of a swapped step: HOST_CHUNK_US per chunk plus HOST_TENSOR_US per tensor, and python_ms
     # against it (swapopt rows)
@@ -98,7 +101,8 @@ class LayoutResult(BaseModel):
     resident_ms: float | None
     bound_ms: float
     rows: list[LayoutRow]
-    # What the rows' Python ms were scaled by (python_scale): 1 on a device; None in results written before
+    # What the rows' Python ms were scaled by: 1 on a device; on the simulator the median of the rows' factors
+    # (LayoutRow.python_scale); None in results written before
     python_scale: float | None = None
     # The link floor of the step's bytes (link_floor_ms) and the sharing rule it assumes; None in results
     # written before they were reported.
@@ -166,16 +170,21 @@ def _measure(
         # No autograd graph is recorded in a step: the simulator's stream tagging (a Python function mode,
         # a cost no device has) is left off while counting, so the Python host time below is the step's.
         # Host time on a shared machine varies from step to step: the median of HOST_REPEATS counted steps.
-        runs = []
+        # On the simulator each counted step's Python is scaled by the factor timed right before and after it
+        # (step_python_scale): this machine's speed drifts within seconds.
+        runs, scales = [], []
         for _ in range(HOST_REPEATS):
+            before = step_python_scale()
             with mod.untagged() if hasattr(mod, "untagged") else contextlib.nullcontext():
                 runs.append(count_call(strategy.step))
+            scales.append((before + step_python_scale()) / 2)
             strategy.drain()
         counts = runs[-1]
         row.aten_ops, row.launches = counts.aten_ops, counts.launches
         on_host = device.is_simulated()
         row.host_ms = statistics.median(c.own_host_s(device_work_on_host=on_host) for c in runs) * 1e3
-        row.python_ms = statistics.median(c.python_host_s() for c in runs) * 1e3 * python_scale()
+        row.python_ms = statistics.median(c.python_host_s() * f for c, f in zip(runs, scales)) * 1e3
+        row.python_scale = statistics.median(scales)
         row.h2d_copies, row.d2h_copies = counts.h2d_copies, counts.d2h_copies
         pinned_after = _pinned_now()
         if pinned_before is not None and pinned_after is not None:
@@ -202,11 +211,18 @@ def _measure(
     return row
 
 
-def python_scale() -> float:
-    """What one second of this machine's Python is on the device's host: 1 on a device; on the simulator, its
-    preset's (host_time.python_scale, Note [scaled Python] in device/sim/host_time.py)."""
+def _host_ref_us() -> float | None:
+    """The device host's time for the reference Python: the simulator preset's host_ref_us; None on a device."""
     preset = getattr(device.get_torch_device_module(), "preset", None)
-    return host_time.python_scale(preset.host_ref_us) if isinstance(preset, SimPreset) else 1.0
+    return preset.host_ref_us if isinstance(preset, SimPreset) else None
+
+
+def step_python_scale() -> float:
+    """What one second of this machine's Python is on the device's host, now: 1 on a device; on the simulator, its
+    preset's, with this machine's reference time taken now (host_time.python_scale_now; Note [scaled Python] in
+    device/sim/host_time.py): beside a counted step."""
+    ref = _host_ref_us()
+    return 1.0 if ref is None else host_time.python_scale_now(ref)
 
 
 def run_layout(
@@ -253,7 +269,8 @@ def run_layout(
     return derive(LayoutResult(
         layout=shape.name, source=shape.source, scale=shape.scale, tensors=shape.count, numel=shape.numel,
         state_bytes=state_bytes, bandwidth=bandwidth, resident_ms=resident_ms, bound_ms=bound, rows=rows,
-        floor_ms=floor, link_sharing=rule, python_scale=python_scale(),
+        floor_ms=floor, link_sharing=rule,
+        python_scale=statistics.median(scales) if (scales := [r.python_scale for r in rows if r.python_scale]) else None,
     ))
 
 
@@ -367,11 +384,14 @@ def layouts_markdown(results: Sequence[LayoutResult]) -> str:
         "issued one after another, as a training loop issues them (each step timed alone starts from an idle device, "
         "so host work before its first device op, a replay's checks, counts in it). Cap = (slots + 1) x chunk."
     )
-    scaled = [r.python_scale for r in results if r.python_scale not in (None, 1.0)]
+    scaled = [r.python_scale for res in results for r in [res, *res.rows] if r.python_scale not in (None, 1.0)]
     if scaled:
+        per_step = any(r.python_scale is not None for res in results for r in res.rows)
+        factor = (f"each counted step's by the factor timed beside it, x {min(scaled):.3f}-{max(scaled):.3f} over "
+                  "this run" if per_step else f"x {scaled[0]:.3f}")
         out[-1] += (
-            f" On the simulator Python ms is this machine's scaled to the preset's host: x {scaled[0]:.3f} (the "
-            "preset's host_ref_us over this machine's time for the same reference Python, Note [scaled Python] in "
+            f" On the simulator Python ms is this machine's scaled to the preset's host: {factor} (the preset's "
+            "host_ref_us over this machine's time for the same reference Python, Note [scaled Python] in "
             "device/sim/host_time.py)."
         )
     out.append("")
