@@ -79,7 +79,8 @@ DEVICE_PLAN = VerifyPlan(
     ),
     model_copy_max_bytes=1024 * MB,
     model_adamw_max_numel=20_000_000,
-    # Compute-bound on the simulated device at any calibrated rate under ~1,500 TFLOP/s, a quarter second of CPU.
+    # Compute-bound on the simulated device at any calibrated rate under ~1,500 TFLOP/s: a quarter second of CPU where
+    # the host has AVX-512, about a minute where it has AVX2 alone (torch's CPU bf16 GEMM, which the simulator runs).
     model_matmul_n=2048,
     bench_sizes=None,
     # every strategy, torchao's 8-bit rows included (Note [low-bit rows] in swapopt.bench.strategies); the modeled
@@ -97,15 +98,16 @@ DRY_PLAN = VerifyPlan(
         copy_target_bytes=16 * MB,
         adamw_numels=[100_000, 400_000],
         # Launch-bound on the simulated h100 (the bf16 rate is then kept from the base preset, and the report
-        # says so); a compute-bound size costs the host a second per matmul.
-        matmul_n=1024,
+        # says so): the simulator runs torch's CPU bf16 GEMM, which on a host without AVX-512 takes about 7 s at
+        # 1024^3 (a minute at 2048^3; a 2-core AMD EPYC with AVX2 alone), 1 s at 512^3.
+        matmul_n=512,
         matmul_repeats=1,
         launches=200,
         repeats=1,  # the simulator's times are deterministic
     ),
     model_copy_max_bytes=4 * MB,
     model_adamw_max_numel=400_000,
-    model_matmul_n=1024,
+    model_matmul_n=512,
     bench_sizes=[0.0002],
     strategies=["resident", "swapopt"],
     bench_times=[4],
