@@ -246,7 +246,10 @@ def test_layout_run_graph_rows_time_replays(sim):
     assert graphed.note == "" and graphed.chunks == eager.chunks
     # the timed step is a replay (the fourth step is captured), not one of the eager steps before it
     assert graphed.step_ms < 0.5 * eager.step_ms and graphed.b2b_ms < 0.5 * eager.b2b_ms
-    assert graphed.launches == 0 and graphed.python_ms < eager.python_ms
+    # this machine's Python, unscaled: each row's factor is timed beside its steps and carries the reference work's
+    # own noise (0.10 and 0.18 for two rows a few seconds apart), more than the rows' difference on 400 tensors
+    assert graphed.launches == 0
+    assert graphed.python_ms / graphed.python_scale < eager.python_ms / eager.python_scale
 
 
 def test_make_layout_params_builds_the_layout(sim):
