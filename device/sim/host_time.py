@@ -138,10 +138,11 @@ def reference_us(repeats: int = 15) -> float:
     return best * 1e6
 
 
-def python_scale(host_ref_us: float) -> float:
+def python_scale(host_ref_us: float, here_us: Callable[[], float] | None = None) -> float:
     """What one second of this machine's Python is on a host that takes ``host_ref_us`` for ``reference_work()``
-    (Note [scaled Python]); 1 where that is not known (0). This machine's time is taken once per process."""
-    return host_ref_us / _reference_once() if host_ref_us > 0 else 1.0
+    (Note [scaled Python]); 1 where that is not known (0). This machine's time for it is ``here_us()``, by default
+    taken once per process."""
+    return host_ref_us / (here_us or _reference_once)() if host_ref_us > 0 else 1.0
 
 
 @functools.cache
@@ -153,7 +154,7 @@ def python_scale_now(host_ref_us: float, repeats: int = 3) -> float:
     """``python_scale`` with this machine's time for the reference work taken now rather than once per process:
     for a measurement that times its own Python beside it. A shared machine's speed drifts: on a 2-core host the
     least of 5 runs read 8.1-17.9 ms over 12 seconds."""
-    return host_ref_us / reference_us(repeats) if host_ref_us > 0 else 1.0
+    return python_scale(host_ref_us, lambda: reference_us(repeats))
 
 
 @functools.cache
