@@ -91,6 +91,26 @@ def test_measured_clock_adds_the_programs_own_python(clean_device_env, clock):
         assert 19_900 + H100.launch_us <= spent < 40_000
 
 
+def test_measured_clock_takes_out_a_frame_call_at_a_frame_calls_cost(clean_device_env):
+    """A replayed step reads a data_ptr per tensor: each is a call of one of the simulator's frames, whose entry
+    costs the Python call and the frame's wrapper, not what an op's entry through torch's mode stack costs. Taking an
+    op's entry out for each would take out the Python around them too (Note [scaled Python])."""
+    clean_device_env.setenv(HOST_CLOCK_ENV, "measured")
+    assert host_time.frame_entry_us() < host_time.entry_costs()[0]
+    with simulator.activate(dataclasses.replace(H100, host_ref_us=0.0), sanitize=False) as sim:
+        x = torch.zeros(4)
+        xs = [torch.zeros(4) for _ in range(4000)]
+        x.add_(1)
+        frames, start = host_time.frames(), sim.now_us()
+        _busy(0.02)
+        addresses = [t.data_ptr() for t in xs]
+        x.add_(1)
+        spent = sim.now_us() - start
+        assert host_time.frames() - frames >= len(xs) and len(set(addresses)) == len(xs)
+    # An op's entry taken out 4,000 times would leave well under the 20 ms (4,000 x 4-7 us on a 2-core host).
+    assert 19_000 + H100.launch_us <= spent < 40_000
+
+
 def test_measured_clock_scales_python_to_the_device_host(clean_device_env):
     """The program's Python is charged at the device host's speed: this machine's CPU time times host_ref_us over
     this machine's time for the same reference work; the per-tensor charge is then the launcher's part alone."""

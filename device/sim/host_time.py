@@ -26,6 +26,7 @@ class _Counters(threading.local):
     start = 0.0  # thread CPU time when the outermost one began
     total = 0.0  # CPU seconds inside counted frames, closed ones
     calls = 0  # outermost entries
+    frames = 0  # of them, those through ``counted`` or ``enter`` rather than the dispatch modes (Note [scaled Python])
 
 
 _local = _Counters()
@@ -40,6 +41,7 @@ def enter() -> None:
     if st.depth == 0:
         st.start = time.thread_time()
         st.calls += 1
+        st.frames += 1
     st.depth += 1
 
 
@@ -58,8 +60,14 @@ def seconds() -> float:
 
 
 def calls() -> int:
-    """Counted frames this thread entered from outside any other (see ``entries_cost``), so far."""
+    """Counted frames this thread entered from outside any other (see ``entry_costs``), so far."""
     return _state().calls
+
+
+def frames() -> int:
+    """Of ``calls()``, those through ``counted`` or ``enter`` (the simulator's streams, events, memory, a simulated
+    tensor's ``data_ptr``; see ``frame_entry_us``) rather than through its dispatch modes, so far."""
+    return _state().frames
 
 
 def counted(fn: F) -> F:
@@ -72,6 +80,7 @@ def counted(fn: F) -> F:
         if st.depth == 0:
             st.start = time.thread_time()
             st.calls += 1
+            st.frames += 1
         st.depth += 1
         try:
             return fn(*args, **kwargs)
@@ -97,10 +106,15 @@ def counted_methods(*names: str) -> Callable[[type], type]:
 # Note [scaled Python]: under the "measured" host clock (Note [host clock] in device/sim/timeline.py) the program's
 # Python between two ops is this machine's CPU time, which is not the device host's. Two corrections make it the
 # device host's:
-# - entering the simulator costs CPU time before its first counted frame starts (torch's mode stack, building the
-#   call's arguments, wrapping each tensor): ``entry_costs()`` measures that per entry and per tensor argument on a
-#   stand-in of the simulator's modes (passthrough ones, counted like the simulator's), and the clock takes it out,
-#   since a device host pays its own launch cost instead (the preset's launch figures);
+# - entering the simulator costs CPU time before its first counted frame starts, and it is not the same for every
+#   entry. An op goes through torch's mode stack (building the call's arguments, wrapping each tensor):
+#   ``entry_costs()`` measures that per entry and per tensor argument on a stand-in of the simulator's modes
+#   (passthrough ones, counted like the simulator's). A call of one of the simulator's own frames (a stream or event
+#   call, a simulated tensor's ``data_ptr``: C++ getters of well under a microsecond on a device) costs only the
+#   Python call and the frame's wrapper: ``frame_entry_us()``. The clock takes out each entry at its kind's cost
+#   (``calls()`` and ``frames()`` tell them apart), since a device host pays its own launch cost instead (the preset's
+#   launch figures). Taking an op's cost out for every frame would take out of a replayed step's address checks
+#   (a ``data_ptr`` per tensor) some 3 us a call more than they cost, and with it the Python around them;
 # - what is left is scaled by the device host's speed against this machine's: the preset's ``host_ref_us`` (the
 #   device host's CPU time for ``reference_work()``) over ``reference_us()`` (this machine's, timed once per
 #   process by the clock; beside each counted step by the layout bench, ``python_scale_now``, since a shared
@@ -158,6 +172,27 @@ def python_scale_now(host_ref_us: float, repeats: int = 3) -> float:
 
 
 @functools.cache
+def frame_entry_us() -> float:
+    """Microseconds this machine spends per call of a counted frame outside the interval the frame times itself
+    (the call, the wrapper, the parts of its two clock reads outside that interval: on some hosts a clock read is a
+    system call of several microseconds), measured once per process on a frame that does nothing: the least over 5
+    runs."""
+    return max(_outside_us(counted(lambda: None), 2000), 0.0)
+
+
+def _outside_us(body: Callable[[], Any], n: int) -> float:
+    """The least, over 5 runs of ``n`` calls of ``body``, of this thread's CPU time per call outside counted frames
+    (microseconds)."""
+    best = math.inf
+    for _ in range(5):
+        c0, i0 = time.thread_time(), seconds()
+        for _ in range(n):
+            body()
+        best = min(best, ((time.thread_time() - c0) - (seconds() - i0)) * 1e6 / n)
+    return best
+
+
+@functools.cache
 def entry_costs() -> tuple[float, float]:
     """(microseconds per entry, microseconds per tensor argument of an op) this machine spends entering the
     simulator outside its counted frames (Note [scaled Python]), measured once per process on passthrough modes
@@ -200,21 +235,11 @@ def entry_costs() -> tuple[float, float]:
     x = torch.zeros(4).as_subclass(_Wrapped)
     lists = {n: [x] * n for n in (8, 64)}
 
-    def outside_us(body: Callable[[], None], n: int) -> float:
-        """The least, over 5 runs, of the CPU time per call outside counted frames."""
-        best = math.inf
-        for _ in range(5):
-            c0, i0 = time.thread_time(), seconds()
-            for _ in range(n):
-                body()
-            best = min(best, ((time.thread_time() - c0) - (seconds() - i0)) * 1e6 / n)
-        return best
-
     with _Dispatch(), _Function():
-        one = outside_us(lambda: x.add_(0), 400)
-        eight = outside_us(lambda: torch._foreach_add_(lists[8], 0), 200)
-        many = outside_us(lambda: torch._foreach_add_(lists[64], 0), 100)
-    loop = outside_us(lambda: None, 400)
+        one = _outside_us(lambda: x.add_(0), 400)
+        eight = _outside_us(lambda: torch._foreach_add_(lists[8], 0), 200)
+        many = _outside_us(lambda: torch._foreach_add_(lists[64], 0), 100)
+    loop = _outside_us(lambda: None, 400)
     per_tensor = max((many - eight) / 56, 0.0)
     per_entry = max(one - loop - per_tensor, 0.0)
     return per_entry, per_tensor

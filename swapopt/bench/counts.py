@@ -244,21 +244,10 @@ def _mode_entry_seconds() -> float:
     return max(extra / n, 0.0)
 
 
-@functools.cache
 def _frame_entry_seconds() -> float:
-    """CPU time an outermost simulator frame costs beyond what it measures itself (the wrapper, and the
-    parts of its two clock reads outside the interval they bound: on some hosts a clock read is a system
-    call of several microseconds), calibrated on a frame that does nothing."""
-    frame = host_time.counted(lambda: None)
-    n = 4000
-
-    def frames() -> None:
-        for _ in range(n):
-            frame()
-
-    before = host_time.seconds()
-    total = host_cpu_seconds(frames)
-    return max((total - (host_time.seconds() - before)) / n, 0.0)
+    """CPU time an outermost simulator frame costs beyond what it measures itself (host_time.frame_entry_us, the
+    figure the simulator's measured host clock takes out too)."""
+    return host_time.frame_entry_us() * 1e-6
 
 
 def count_call(fn: Callable[[], Any]) -> StepCounts:
