@@ -33,7 +33,7 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, 
                            TimeRemainingColumn)
 from rich.text import Text
 
-from swapopt.engine.config import ConfigError, EngineConfig, load_config
+from swapopt.engine.config import ConfigError, EngineConfig, TrainConfig, load_config
 from swapopt.engine.interrupt import InterruptGuard
 from swapopt.engine.preflight import (DEVICE_ENV, DevicePlan, check_fits, check_host_memory, check_paths,
                                       count_params, describe, estimate, local_world_size, plan_device, slow_hint)
@@ -373,10 +373,13 @@ def resume_command(raw_args: list[str], checkpoint: Path) -> str:
     return shlex.join([Path(sys.executable).name, "-m", "swapopt.train", *out, "--resume", str(checkpoint)])
 
 
-def interrupted_line(step: int, checkpoint: Path | None, raw_args: list[str]) -> str:
+def interrupted_line(step: int, checkpoint: Path | None, raw_args: list[str], train: TrainConfig) -> str:
+    """The last line of an interrupted run; without a checkpoint, what was missing for Ctrl-C to leave one."""
     if checkpoint is None:
-        return (f"interrupted at step {step}: no checkpoint to resume from (set train.checkpoint_dir, and "
-                "train.save_on_interrupt=true to save one on Ctrl-C)")
+        missing = [key for key, unset in (("train.checkpoint_dir", not train.checkpoint_dir),
+                                          ("train.save_on_interrupt=true", not train.save_on_interrupt)) if unset]
+        why = f"set {' and '.join(missing)} to save one on Ctrl-C" if missing else "none had been saved when it stopped"
+        return f"interrupted at step {step}: no checkpoint to resume from ({why})"
     return f"interrupted at step {step}: last checkpoint {checkpoint}; resume with: {resume_command(raw_args, checkpoint)}"
 
 
@@ -434,7 +437,7 @@ def _main(args: argparse.Namespace, raw_args: list[str]) -> int:
 
     def stuck() -> None:  # the watchdog's last word when one long operation holds the main thread
         if main_rank:
-            sys.stdout.write("\n" + interrupted_line(state["step"], state["checkpoint"], raw_args) + "\n")
+            sys.stdout.write("\n" + interrupted_line(state["step"], state["checkpoint"], raw_args, cfg.train) + "\n")
             sys.stdout.flush()
 
     with InterruptGuard(on_stuck=stuck, exit_code=EXIT_INTERRUPTED) as guard:
@@ -464,7 +467,7 @@ def _main(args: argparse.Namespace, raw_args: list[str]) -> int:
             return _error(console, err)
         except Interrupted as stop:
             if main_rank:
-                console.print(interrupted_line(stop.step, stop.checkpoint, raw_args))
+                console.print(interrupted_line(stop.step, stop.checkpoint, raw_args, cfg.train))
             return EXIT_INTERRUPTED
     if main_rank:
         print_summary(console, summary, bases, plan)

@@ -151,3 +151,20 @@ def test_sigint_stops_llm_1b_promptly_even_inside_one_long_operation(tmp_path):
     # machine makes one slow, and these two facts say the same without it.
     assert "interrupted at step 0" in out
     assert not (tmp_path / "work_dirs" / "llm_1b" / "step_00000001").exists()
+
+
+@pytest.mark.parametrize(
+    ("options", "hint"),
+    [
+        ({}, "set train.checkpoint_dir and train.save_on_interrupt=true to save one on Ctrl-C"),
+        ({"checkpoint_dir": "ckpt"}, "set train.save_on_interrupt=true to save one on Ctrl-C"),
+        ({"save_on_interrupt": True}, "set train.checkpoint_dir to save one on Ctrl-C"),
+        ({"checkpoint_dir": "ckpt", "save_on_interrupt": True}, "none had been saved when it stopped"),
+    ],
+)
+def test_the_interrupted_line_without_a_checkpoint_names_only_what_is_missing(options, hint):
+    from swapopt.engine.config import TrainConfig
+    from swapopt.train import interrupted_line
+
+    line = interrupted_line(7, None, [], TrainConfig(**options))
+    assert line == f"interrupted at step 7: no checkpoint to resume from ({hint})"
