@@ -195,6 +195,8 @@ def test_layout_run_rows_have_every_field(sim):
     md = layouts_markdown([res])
     assert "### small: 12 tensors" in md and md.count("| swapopt t=") == 2
     assert "each counted step's by the factor timed beside it" in md
+    # the host's Python speed, so that runs on two hosts compare beside it
+    assert res.host_ref_us > 0 and f"Host reference Python {res.host_ref_us:,.0f} us" in md
     targets = layout_targets(res)
     assert len(targets) == 2 and all("launches" in t and "pinned" in t and "peak" in t for t in targets)
     assert all(t in md for t in targets)

@@ -108,6 +108,10 @@ class LayoutResult(BaseModel):
     # written before they were reported.
     floor_ms: float | None = None
     link_sharing: str | None = None
+    # This host's CPU time for host_time.reference_work(), the least of the timings before and after the rows (us):
+    # the Python speed of the host the rows ran on. Host-bound rows move with it from host to host (a device lease
+    # is a different host each time), so results of two runs compare only beside it. None in results written before.
+    host_ref_us: float | None = None
 
 
 def default_max_numel() -> int:
@@ -250,6 +254,7 @@ def run_layout(
     bandwidth = measure_bandwidth(min(max(state_bytes // 16, 4), MAX_PROBE_BYTES), repeats=bandwidth_repeats)
     logger.info("layout {} (scale 1/{}): {} tensors, {} params", shape.name, shape.scale, shape.count, shape.numel)
     params = make_layout_params(shape)
+    host_ref_us = host_time.reference_us(repeats=5)
     rows = []
     runs = [("resident", 0, False)] + [("swapopt", t, f) for t in times for f in ((False, True) if flat else (False,))]
     runs += [("swapopt-graph", t, False) for t in times] if graph else []
@@ -258,6 +263,7 @@ def run_layout(
         on_done(rows[-1].label)
     del params
     free_device_memory()
+    host_ref_us = min(host_ref_us, host_time.reference_us(repeats=5))
 
     resident = rows[0] if rows[0].step_ms is not None else None
     resident_ms = resident.step_ms if resident else None
@@ -269,7 +275,7 @@ def run_layout(
     return derive(LayoutResult(
         layout=shape.name, source=shape.source, scale=shape.scale, tensors=shape.count, numel=shape.numel,
         state_bytes=state_bytes, bandwidth=bandwidth, resident_ms=resident_ms, bound_ms=bound, rows=rows,
-        floor_ms=floor, link_sharing=rule,
+        floor_ms=floor, link_sharing=rule, host_ref_us=host_ref_us,
         python_scale=statistics.median(scales) if (scales := [r.python_scale for r in rows if r.python_scale]) else None,
     ))
 
@@ -408,6 +414,9 @@ def layouts_markdown(results: Sequence[LayoutResult]) -> str:
             + ("" if res.floor_ms is None else
                f" Link floor {res.floor_ms:.3f} ms ({res.link_sharing or 'measured rates'}: both directions' "
                "bytes through the link as its sharing rule allows).")
+            + ("" if res.host_ref_us is None else
+               f" Host reference Python {res.host_ref_us:,.0f} us (this host's time for "
+               "`device.sim.host_time.reference_work()`: host-bound rows move with it from host to host).")
         )
         out.append("")
         out.append(
