@@ -23,7 +23,7 @@ import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -39,9 +39,14 @@ from swapopt.engine.preflight import (DEVICE_ENV, DevicePlan, check_fits, check_
                                       count_params, describe, estimate, local_world_size, plan_device, slow_hint)
 from swapopt.hostmem import HostMemoryError
 from swapopt.engine.resume import check_resume
-from swapopt.engine.trainer import PERIOD_MIN_STEPS, StepMetrics, TrainEngine, elapsed_ms
+
+if TYPE_CHECKING:
+    from swapopt.engine.trainer import StepMetrics
 
 MiB = 2**20
+# The trainer (swapopt.engine.trainer) is imported where it is used, in run() and the summary: it loads
+# torch.distributed.checkpoint and DTensor (1.4 s on a 2-core host), and a mistake in the config or the command line
+# is reported before it would be needed.
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for a Ctrl-C
 
 
@@ -131,6 +136,8 @@ def run(cfg: EngineConfig, console: Console, label: str = "train", modeled: bool
     """Train to ``train.steps``; returns a summary (losses, peak memory, swap totals). Ctrl-C raises
     Interrupted after an optional checkpoint (``train.save_on_interrupt``). ``progress_state`` gets the last
     finished step and checkpoint as they happen (read by the interrupt watchdog)."""
+    from swapopt.engine.trainer import PERIOD_MIN_STEPS, TrainEngine, elapsed_ms
+
     tcfg = cfg.train
     state = progress_state if progress_state is not None else {}
     bookkeeping = guard.critical if guard is not None else contextlib.nullcontext
@@ -313,6 +320,8 @@ def print_summary(console: Console, s: dict[str, Any], bases: list[tuple[str, di
 
 def _period(s: dict[str, Any], plan: DevicePlan) -> str:
     """The train-step period of a run's summary, or why it has none."""
+    from swapopt.engine.trainer import PERIOD_MIN_STEPS
+
     if not s.get("period_ms"):
         return (f"not measured ({len(s['losses'])} steps; a period is taken over at least {PERIOD_MIN_STEPS} steps "
                 "after the first)")

@@ -17,7 +17,7 @@ from swapopt.engine.config import (
     TrainConfig,
     load_config,
 )
-from swapopt.engine.trainer import TrainEngine
+
 
 __all__ = [
     "AdamWConfig",
@@ -31,3 +31,13 @@ __all__ = [
     "TrainEngine",
     "load_config",
 ]
+
+
+def __getattr__(name: str) -> object:
+    # The trainer imports torch.distributed.checkpoint and DTensor (1.4 s on a 2-core host): loaded on first use, so
+    # that reading a config, and reporting a mistake in it, does without them.
+    if name == "TrainEngine":
+        from swapopt.engine.trainer import TrainEngine
+
+        return TrainEngine
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
