@@ -40,13 +40,13 @@ from swapopt.engine.preflight import (DEVICE_ENV, DevicePlan, check_fits, check_
 from swapopt.hostmem import HostMemoryError
 from swapopt.engine.resume import check_resume
 
+# The trainer (swapopt.engine.trainer) is imported where it is used, in run() and the summary: it loads
+# torch.distributed.checkpoint and DTensor (1.4 s on a 2-core host), and a mistake in the config or the command line
+# is reported before it would be needed.
 if TYPE_CHECKING:
     from swapopt.engine.trainer import StepMetrics
 
 MiB = 2**20
-# The trainer (swapopt.engine.trainer) is imported where it is used, in run() and the summary: it loads
-# torch.distributed.checkpoint and DTensor (1.4 s on a 2-core host), and a mistake in the config or the command line
-# is reported before it would be needed.
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for a Ctrl-C
 
 

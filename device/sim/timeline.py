@@ -103,8 +103,8 @@ class Timeline:
         if self.host_clock not in HOST_CLOCKS:
             raise ValueError(f"host_clock must be one of {', '.join(HOST_CLOCKS)}, got {self.host_clock!r}")
         # "measured": per thread, (CPU seconds, seconds inside simulator frames, simulator entries, of them frame
-        # calls) when its last op was charged (last) and its CPU seconds when it last timed the reference work (scale_at); this machine's
-        # entry costs and the device host's speed against it (Note [scaled Python]).
+        # calls) when its last op was charged (last) and its CPU seconds when it last timed the reference work
+        # (scale_at); this machine's entry costs and the device host's speed against it (Note [scaled Python]).
         self._python_mark = threading.local()
         self.python_scale, self._entry_us, self._entry_tensor_us, self._frame_us = 1.0, 0.0, 0.0, 0.0
         if self.host_clock == "measured":
@@ -360,18 +360,19 @@ class Timeline:
 
     def charge_python(self, tensors: int = 0) -> None:
         """Under the "measured" host clock, advance it by the calling thread's CPU time outside the simulator's
-        frames since its previous op, less this machine's cost of entering the simulator (the entries since then, each at
-        its kind's cost, and the `tensors` of the op being issued), scaled to the device's host (Note [host clock]); under "ops",
-        nothing."""
+        frames since its previous op, less this machine's cost of entering the simulator (the entries since then,
+        each at its kind's cost, and the `tensors` of the op being issued), scaled to the device's host (Note [host
+        clock]); under "ops", nothing."""
         if self.host_clock != "measured":
             return
         now, inside, entries, frames = time.thread_time(), host_time.seconds(), host_time.calls(), host_time.frames()
         mark = getattr(self._python_mark, "last", None)
         self._python_mark.last = (now, inside, entries, frames)
         if mark is not None:
-            python_us = ((now - mark[0]) - (inside - mark[1])) * 1e6
-            new_frames = frames - mark[3]
-            python_us -= (entries - mark[2] - new_frames) * self._entry_us + new_frames * self._frame_us
+            then, then_inside, then_entries, then_frames = mark
+            new_frames = frames - then_frames
+            python_us = ((now - then) - (inside - then_inside)) * 1e6
+            python_us -= (entries - then_entries - new_frames) * self._entry_us + new_frames * self._frame_us
             python_us -= tensors * self._entry_tensor_us
             self.host_us += max(python_us, 0.0) * self.python_scale
         # This machine's speed drifts within seconds (Note [scaled Python]): every SCALE_EVERY_S of a thread's CPU

@@ -68,7 +68,7 @@ class StepCounts(BaseModel):
         Python that issues the ops, the figure that carries over to a GPU or NPU, where those frames are
         C++ calls of a few microseconds (not counted here)."""
         own = self.cpu_s - self.outside_host_s - self.dispatched * _mode_entry_seconds()
-        own -= self.outside_calls * _frame_entry_seconds()
+        own -= self.outside_calls * host_time.frame_entry_us() * 1e-6  # what a frame's entry costs outside it
         own -= self.tensor_args * _tensor_arg_seconds()  # Note [counting a tensor list costs per tensor]
         return max(own, 0.0)
 
@@ -242,12 +242,6 @@ def _mode_entry_seconds() -> float:
         views()
     extra = counter.counts.cpu_s - counter.counts.counting_cpu_s - plain
     return max(extra / n, 0.0)
-
-
-def _frame_entry_seconds() -> float:
-    """CPU time an outermost simulator frame costs beyond what it measures itself (host_time.frame_entry_us, the
-    figure the simulator's measured host clock takes out too)."""
-    return host_time.frame_entry_us() * 1e-6
 
 
 def count_call(fn: Callable[[], Any]) -> StepCounts:

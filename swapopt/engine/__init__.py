@@ -18,7 +18,6 @@ from swapopt.engine.config import (
     load_config,
 )
 
-
 __all__ = [
     "AdamWConfig",
     "ConfigError",
