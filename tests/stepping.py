@@ -4,6 +4,7 @@ inner optimizer's n-th per-chunk call, and the reference a step that failed is c
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -110,3 +111,35 @@ ADAM_KERNELS = [
     lambda ps: torch.optim.Adam(ps, lr=torch.tensor(1e-2), fused=True, weight_decay=0.05),
 ]
 ADAM_KERNEL_IDS = ["adamw-fused", "adamw-foreach", "adam-forloop-amsgrad-maximize", "adam-fused-tensor-lr"]
+
+
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bits as integers, so NaNs (fp16 Adam with eps=1e-8 makes some) compare too."""
+    t = t.detach()
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    if t.is_floating_point():
+        t = t.view(_INT_OF_SIZE[t.element_size()])
+    return t
+
+
+def assert_same(got: Any, want: Any, where: str) -> None:
+    """Bitwise: tensors with torch.equal on their bits (and equal dtype and shape), the rest with ==."""
+    if isinstance(want, torch.Tensor):
+        assert isinstance(got, torch.Tensor), where
+        assert got.dtype == want.dtype and got.shape == want.shape, where
+        # a wrapper keeps its states in host memory, torch's own on the device: compare both on the host
+        assert torch.equal(bits(got).cpu(), bits(want).cpu()), where
+    elif isinstance(want, dict):
+        assert isinstance(got, dict) and set(got) == set(want), (where, set(got), set(want))
+        for k in want:
+            assert_same(got[k], want[k], f"{where}[{k!r}]")
+    elif isinstance(want, (list, tuple)):
+        assert type(got) is type(want) and len(got) == len(want), where
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert_same(g, w, f"{where}[{i}]")
+    else:
+        assert got == want, (where, got, want)

@@ -166,7 +166,7 @@ def _small_layout(name: str = "small") -> Layout:
 
 def test_layout_run_rows_have_every_field(sim):
     lay = _small_layout()
-    res = run_layout(lay, times=(2, 4), bandwidth_repeats=1)
+    res = run_layout(lay, times=(2, 4), bandwidth_repeats=1, host_repeats=2)
     assert (res.tensors, res.numel, res.state_bytes) == (lay.count, lay.numel, 8 * lay.numel)
     assert [r.kind for r in res.rows] == ["resident", "swapopt", "swapopt"]
     resident, *swapped = res.rows
@@ -204,7 +204,8 @@ def test_layout_run_rows_have_every_field(sim):
 
 def test_layout_rows_scale_each_counted_steps_python_by_the_factor_timed_beside_it(sim, monkeypatch):
     """This machine's speed drifts within seconds: a counted step's Python is scaled by the mean of the factors timed
-    right before and right after it, and the row's Python ms is the median of the scaled steps."""
+    right before and right after it (one step's after is the next one's before), and the row's Python ms is the median
+    of the scaled steps."""
     cycle, factors = itertools.cycle([1.0, 3.0, 5.0, 9.0]), []
     monkeypatch.setattr(layout_run, "step_python_scale", lambda: factors.append(next(cycle)) or factors[-1])
     seen: list[float] = []
@@ -212,11 +213,12 @@ def test_layout_rows_scale_each_counted_steps_python_by_the_factor_timed_beside_
     monkeypatch.setattr(StepCounts, "python_host_s", lambda self: seen.append(python_host_s(self)) or seen[-1])
     res = run_layout(_small_layout(), times=(2,), bandwidth_repeats=1)
     n = layout_run.HOST_REPEATS
-    assert len(seen) == n * len(res.rows) and len(factors) == 2 * len(seen)
+    assert len(seen) == n * len(res.rows) and len(factors) == (n + 1) * len(res.rows)
     for i, r in enumerate(res.rows):
         steps = range(i * n, (i + 1) * n)
-        scales = [(factors[2 * j] + factors[2 * j + 1]) / 2 for j in steps]
-        assert set(scales) == {2.0, 7.0}  # steps alternate: (1 + 3) / 2, then (5 + 9) / 2
+        timed = factors[i * (n + 1) : (i + 1) * (n + 1)]  # before the first step, then after each
+        scales = [(a + b) / 2 for a, b in zip(timed, timed[1:])]
+        assert len(set(scales)) > 1  # each step its own pair: 2, 4, 7, 5, ... from the cycle 1, 3, 5, 9
         assert r.python_scale == statistics.median(scales)
         assert r.python_ms == pytest.approx(statistics.median(seen[j] * f for j, f in zip(steps, scales)) * 1e3)
 
@@ -225,7 +227,7 @@ def test_layout_run_flat_rows_take_the_flat_update(sim):
     # Whole multiples of swapopt.flat.CPU_BLOCK elements, small chunks: the flat update is taken on the simulator.
     shapes = [(64, 4), (128,), (32, 8), (64,)] * 3
     lay = Layout(name="flat", source="test", tensors=tuple((f"w{i}", s) for i, s in enumerate(shapes)))
-    res = run_layout(lay, times=(2,), bandwidth_repeats=1, flat=True)
+    res = run_layout(lay, times=(2,), bandwidth_repeats=1, flat=True, host_repeats=2)
     assert [(r.kind, r.flat) for r in res.rows] == [("resident", False), ("swapopt", False), ("swapopt", True)]
     direct, flat_row = res.rows[1:]
     assert (direct.label, flat_row.label) == ("swapopt t=2 s=3", "swapopt-flat t=2 s=3")
@@ -248,10 +250,12 @@ def test_layout_run_graph_rows_time_replays(sim):
     assert graphed.note == "" and graphed.chunks == eager.chunks
     # the timed step is a replay (the fourth step is captured), not one of the eager steps before it
     assert graphed.step_ms < 0.5 * eager.step_ms and graphed.b2b_ms < 0.5 * eager.b2b_ms
-    # this machine's Python, unscaled: each row's factor is timed beside its steps and carries the reference work's
-    # own noise (0.10 and 0.18 for two rows a few seconds apart), more than the rows' difference on 400 tensors
-    assert graphed.launches == 0
-    assert graphed.python_ms / graphed.python_scale < eager.python_ms / eager.python_scale
+    # A replay dispatches no aten op; its Python (a replay's address checks, a data_ptr per param and grad) is
+    # counted, not taken out with the simulator's frames. Which of the two rows spends less Python is not asserted:
+    # on 400 tensors this machine read 4.4-7.4 ms unscaled for the replay against 5.3-10.6 for the eager step,
+    # closer than its own noise under load.
+    assert graphed.launches == 0 and graphed.aten_ops == 0 and eager.aten_ops > 0
+    assert graphed.python_ms > 0
 
 
 def test_make_layout_params_builds_the_layout(sim):
@@ -302,3 +306,8 @@ def test_host_cpu_prints_one_line_per_run(capsys, clean_device_env):
         with pytest.raises(SystemExit):
             host_cpu.main(bad)
     assert "must be at least 1, got 0" in capsys.readouterr().err
+
+
+def test_run_layout_refuses_a_row_without_counted_steps():
+    with pytest.raises(ValueError, match="host_repeats must be at least 1, got 0"):
+        run_layout(_small_layout(), times=(2,), host_repeats=0)

@@ -4,8 +4,6 @@ resident by hand, with the masters and states off the device between steps (simu
 from __future__ import annotations
 
 import copy
-import io
-import random
 import warnings
 
 import pytest
@@ -16,20 +14,7 @@ import device
 import simdevice as simulator
 from swapopt import SwapConfig, SwapOptimizer, npu, swap_class
 from swapopt.masters import MASTER_KEY
-from stepping import Boom, fail_on_call
-from test_optim_db_parity import (
-    CHUNKINGS,
-    REFUSED,
-    _accepted,
-    _build,
-    _impls,
-    _inputs,
-    _kwargs,
-    _make_params,
-    assert_same,
-    optim_db,
-)
-
+from stepping import Boom, assert_same, fail_on_call
 O = torch.optim
 LOW = (torch.bfloat16, torch.float16)
 
@@ -76,66 +61,6 @@ def _check(ps, opt, rs, recipe, where: str) -> None:
     for i, (p, r) in enumerate(zip(ps, rs)):
         assert_same(p, r, f"{where}: param {i}")
     assert_same(opt.state_dict(), recipe.state_dict(), f"{where}: state_dict")
-
-
-# ----- the optim_db matrix ---------------------------------------------------------------------------
-def _sample(info, seed: int) -> list[tuple[int, str, torch.dtype, tuple]]:
-    """Every input once, every implementation with both low-precision dtypes, every chunking."""
-    combos = [(i, impl, dtype, c) for i in range(len(_inputs(info))) for impl in _impls(info) for dtype in LOW
-              for c in CHUNKINGS]  # fmt: skip
-    random.Random(seed).shuffle(combos)
-    need = set().union(*({("in", i), ("id", impl, d), ("c", c)} for i, impl, d, c in combos))
-    chosen = []
-    for i, impl, d, c in combos:
-        keys = {("in", i), ("id", impl, d), ("c", c)}
-        if keys & need:
-            chosen.append((i, impl, d, c))
-            need -= keys
-    return chosen
-
-
-def _run_case(info, inp, impl, dtype, chunking, n) -> bool:
-    times, chunk_mb = chunking
-    kw = _kwargs(inp, impl)
-    where = f"{info.optim_cls.__name__} {inp.desc!r} {impl} {dtype} times={times} chunk_mb={chunk_mb}"
-    layouts = _accepted(info, ("contiguous", "transposed", "channels_last", "0-dim", "zero-size"), kw, torch.float32, n)
-    if not layouts:
-        return False
-    gen = torch.Generator().manual_seed(n)
-    # the low-precision params in every layout torch steps, and one fp32 param: its own master
-    ps = _make_params(layouts, dtype, gen) + _make_params(("contiguous",), torch.float32, gen)
-    rs = [nn.Parameter(p.detach().clone()) for p in ps]
-    build = lambda params: _build(info, params, kw)  # noqa: E731
-    recipe = Recipe(build, rs)
-    opt = SwapOptimizer(build(ps), swap_optimizer_times=times, chunk_mb=chunk_mb, master_weights=True)
-    for _ in range(3):
-        _same_grads(ps, rs, gen)
-        opt.step()
-        recipe.step()
-    _check(ps, opt, rs, recipe, where)
-    # a save and load in the middle: a fresh wrapper continues like the recipe
-    buf = io.BytesIO()
-    torch.save(opt.state_dict(), buf)
-    buf.seek(0)
-    fresh_ps = [nn.Parameter(p.detach().clone()) for p in ps]
-    fresh = SwapOptimizer(build(fresh_ps), swap_optimizer_times=times, chunk_mb=chunk_mb, master_weights=True)
-    fresh.load_state_dict(torch.load(buf, weights_only=True))
-    _same_grads(fresh_ps, rs, gen)
-    fresh.step()
-    recipe.step()
-    _check(fresh_ps, fresh, rs, recipe, where + " after a save and load")
-    return True
-
-
-@pytest.mark.parametrize("info", [i for i in optim_db if i.optim_cls.__name__ not in REFUSED],
-                         ids=lambda i: i.optim_cls.__name__)  # fmt: skip
-def test_optim_db_matches_the_recipe(info):
-    name = info.optim_cls.__name__
-    cases = _sample(info, seed=sum(map(ord, name)))
-    with simulator.activate():
-        ran = sum(_run_case(info, _inputs(info)[i], impl, dtype, chunking, n)
-                  for n, (i, impl, dtype, chunking) in enumerate(cases))  # fmt: skip
-    assert ran >= len(cases) // 2, f"{name}: torch rejected {len(cases) - ran} of {len(cases)} sampled cases"
 
 
 # ----- a model: clipping, GradScaler, overlap and prefetch ------------------------------------------------

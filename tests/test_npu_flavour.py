@@ -25,7 +25,7 @@ DEVICE_DEPENDENT = (
     "test_checkpoint.py",
     "test_swap_memory.py",
     "test_engine.py",
-    "test_master_weights.py",  # but its optim_db matrix (deselected below): the flavour changes no kernel it runs
+    "test_master_weights.py",  # its optim_db matrix is a file of its own: the flavour changes no kernel it runs
     "test_graphed.py",  # torch_npu's CPU fallbacks (fused Adam with a tensor lr) cannot be captured
 )
 
@@ -37,7 +37,7 @@ def run_under_npu(files: tuple[str, ...]) -> None:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS.parent), env.get("PYTHONPATH")]))
     paths = [str(TESTS / name) for name in files]
     run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-v", "-n", "0", "-p", "no:cacheprovider", "-x", "-k", "not optim_db", *paths],
+        [sys.executable, "-m", "pytest", "-v", "-n", "0", "-p", "no:cacheprovider", "-x", *paths],
         env=env, capture_output=True, text=True, timeout=900, cwd=TESTS.parent,
     )  # fmt: skip
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]

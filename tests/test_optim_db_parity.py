@@ -38,6 +38,7 @@ assert torch.backends.flags_frozen() == _frozen
 import simdevice as simulator  # noqa: E402
 from swapopt import SwapOptimizer  # noqa: E402
 from swapopt.hoststate import is_swapped_state  # noqa: E402
+from stepping import assert_same  # noqa: E402
 
 STEPS = 3
 LAYOUTS = ("contiguous", "transposed", "channels_last", "0-dim", "zero-size")
@@ -150,38 +151,6 @@ def _build(info: Any, params: list[torch.Tensor], kw: dict[str, Any]) -> torch.o
     if "foreach" in kw and "foreach" not in info.supported_impls:
         kw = {k: v for k, v in kw.items() if k != "foreach"}
     return info.optim_cls(params, **copy.deepcopy(kw))
-
-
-_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """The tensor's bits as integers, so NaNs (fp16 Adam with eps=1e-8 makes some) compare too."""
-    t = t.detach()
-    if t.is_complex():
-        t = torch.view_as_real(t)
-    if t.is_floating_point():
-        t = t.view(_INT_OF_SIZE[t.element_size()])
-    return t
-
-
-def assert_same(got: Any, want: Any, where: str) -> None:
-    """Bitwise: tensors with torch.equal on their bits (and equal dtype and shape), the rest with ==."""
-    if isinstance(want, torch.Tensor):
-        assert isinstance(got, torch.Tensor), where
-        assert got.dtype == want.dtype and got.shape == want.shape, where
-        # a wrapper keeps its states in host memory, torch's own on the device: compare both on the host
-        assert torch.equal(bits(got).cpu(), bits(want).cpu()), where
-    elif isinstance(want, dict):
-        assert isinstance(got, dict) and set(got) == set(want), (where, set(got), set(want))
-        for k in want:
-            assert_same(got[k], want[k], f"{where}[{k!r}]")
-    elif isinstance(want, (list, tuple)):
-        assert type(got) is type(want) and len(got) == len(want), where
-        for i, (g, w) in enumerate(zip(got, want)):
-            assert_same(g, w, f"{where}[{i}]")
-    else:
-        assert got == want, (where, got, want)
 
 
 def _step_both(ps, opt, rs, ref, gen) -> None:

@@ -125,6 +125,32 @@ def test_pruning_keeps_records_the_host_has_not_seen(monkeypatch):
     assert log.conflict(_access(clocks, HOST, False, 0, 8), clocks) is not None
 
 
+def test_a_log_of_many_disjoint_ranges_costs_constant_work_per_access(monkeypatch):
+    """Note [amortized pruning]: a slot that a chunk's 2,000 state views share keeps a record per view while the
+    step is in flight (no access supersedes another, none is seen by every stream yet); each access must not
+    re-scan the whole log."""
+    clocks = Clocks()
+    swap, compute = clocks.new_actor(), clocks.new_actor()
+    looked = []
+    seen_by_all = clocks.seen_by_all
+    monkeypatch.setattr(clocks, "seen_by_all", lambda acc: looked.append(acc) or seen_by_all(acc))
+    log = AccessLog()
+    n = 2000
+    for i in range(n):
+        acc = _access(clocks, swap, True, 8 * i, 8 * i + 8)
+        assert log.conflict(acc, clocks) is None
+        log.add(acc, clocks)
+    assert len(log.records) == n  # the compute stream has seen none of them: all kept
+    assert len(looked) <= 4 * n
+    # once the compute stream and the host wait for the swap stream, the next prune drops them all
+    clocks.merge_actor(compute, swap)
+    clocks.merge_actor(HOST, swap)
+    for i in range(n, 2 * n + 1):
+        log.add(_access(clocks, compute, False, 8 * i, 8 * i + 8), clocks)
+    assert all(rec.actor == compute for rec in log.records)
+    assert log.conflict(_access(clocks, compute, True, 0, 8), clocks) is None
+
+
 def test_dropped_streams_leave_the_clocks(clean_device_env):
     """Per-op cost depends on live streams only: thousands of dropped streams leave no clock entries."""
     import gc

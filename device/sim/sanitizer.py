@@ -210,14 +210,22 @@ class Clocks:
 
 
 class AccessLog:
-    """Recent accesses to one storage, kept small: records that a later access supersedes are dropped."""
+    """Recent accesses to one storage, kept small: records that a later access supersedes are dropped, and
+    records every live actor is ordered after are pruned once the log outgrows ``prune_at``."""
 
-    __slots__ = ("records",)
+    __slots__ = ("records", "prune_at")
 
     _PRUNE_AT = 16
 
     def __init__(self) -> None:
         self.records: list[Access] = []
+        # Note [amortized pruning]: a storage that many tensors view (a swap slot, an arena, a flat buffer) holds
+        # records of disjoint byte ranges, none of which supersedes another; while a step is in flight none is seen
+        # by every actor yet, so pruning at a fixed size would re-scan the whole log on every access (a multi-tensor
+        # op over a chunk of 400 params: 2.8 M clock look-ups). The next prune waits until the log has doubled
+        # what the last one kept. Pruning later only keeps records longer, which cannot race (a record every live
+        # actor has seen stays seen: clocks only grow, and a new stream's first launch merges the host's clock).
+        self.prune_at = type(self)._PRUNE_AT
 
     @property
     def log(self) -> AccessLog:
@@ -260,7 +268,6 @@ def add_all(staged: list[tuple[Any, Access]], clocks: Clocks) -> None:
     per op). An access that covers a record and follows it supersedes it when it is a write, or when both are
     reads: whatever would race with the old record races with it."""
     compacted = clocks._compacted
-    prune_at = AccessLog._PRUNE_AT
     for holder, acc in staged:
         log = holder.log
         records = log.records
@@ -282,8 +289,9 @@ def add_all(staged: list[tuple[Any, Access]], clocks: Clocks) -> None:
         else:
             kept.extend(records)
         kept.append(acc)
-        if len(kept) > prune_at:
+        if len(kept) > log.prune_at:
             kept = [rec for rec in kept if not clocks.seen_by_all(rec)]
+            log.prune_at = max(AccessLog._PRUNE_AT, 2 * len(kept))  # Note [amortized pruning]
         log.records = kept
 
 

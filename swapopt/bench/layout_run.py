@@ -152,7 +152,7 @@ def _flat_update(on: bool):
 
 def _measure(
     kind: str, params: list[torch.nn.Parameter], spec: AdamWSpec, times: int, slots: int,
-    state_bytes: int, warmup: int, repeats: int, flat: bool = False,
+    state_bytes: int, warmup: int, repeats: int, flat: bool = False, host_repeats: int = HOST_REPEATS,
 ) -> LayoutRow:
     row = LayoutRow(kind=kind, label=kind, flat=flat)
     pinned_before = _pinned_now()
@@ -173,15 +173,18 @@ def _measure(
         mod = device.get_torch_device_module()
         # No autograd graph is recorded in a step: the simulator's stream tagging (a Python function mode,
         # a cost no device has) is left off while counting, so the Python host time below is the step's.
-        # Host time on a shared machine varies from step to step: the median of HOST_REPEATS counted steps.
+        # Host time on a shared machine varies from step to step: the median of host_repeats counted steps.
         # On the simulator each counted step's Python is scaled by the factor timed right before and after it
-        # (step_python_scale): this machine's speed drifts within seconds.
+        # (step_python_scale): this machine's speed drifts within seconds. One step's "after" is the next one's
+        # "before": only a drain lies between them.
         runs, scales = [], []
-        for _ in range(HOST_REPEATS):
-            before = step_python_scale()
+        before = step_python_scale()
+        for _ in range(host_repeats):
             with mod.untagged() if hasattr(mod, "untagged") else contextlib.nullcontext():
                 runs.append(count_call(strategy.step))
-            scales.append((before + step_python_scale()) / 2)
+            after = step_python_scale()
+            scales.append((before + after) / 2)
+            before = after
             strategy.drain()
         counts = runs[-1]
         row.aten_ops, row.launches = counts.aten_ops, counts.launches
@@ -241,11 +244,15 @@ def run_layout(
     on_done: Callable[[str], None] = lambda label: None,
     flat: bool = False,
     graph: bool = False,
+    host_repeats: int = HOST_REPEATS,
 ) -> LayoutResult:
     """Resident AdamW, then swapopt at each of `times` chunk counts, over one layout's params (scaled
     to at most `max_numel` params when given); with `flat`, each chunk count also with the flat chunk update
     (Note [flat chunk update] in swapopt.flat) on, in a row of its own; with `graph`, each chunk count also with
-    ``step_graph`` (Note [graphed step] in swapopt.graphed), in rows labelled swapopt-graph."""
+    ``step_graph`` (Note [graphed step] in swapopt.graphed), in rows labelled swapopt-graph. Each row's host figures
+    are the median of `host_repeats` counted steps."""
+    if host_repeats < 1:
+        raise ValueError(f"host_repeats must be at least 1, got {host_repeats}")
     shape = get_layout(layout) if isinstance(layout, str) else layout
     if max_numel is not None and shape.numel > max_numel:
         shape = scale_to_fit(shape, max_numel)
@@ -259,7 +266,8 @@ def run_layout(
     runs = [("resident", 0, False)] + [("swapopt", t, f) for t in times for f in ((False, True) if flat else (False,))]
     runs += [("swapopt-graph", t, False) for t in times] if graph else []
     for kind, t, f in runs:
-        rows.append(_measure(kind, params, spec, t or 16, slots, state_bytes, warmup, repeats, flat=f))
+        rows.append(_measure(kind, params, spec, t or 16, slots, state_bytes, warmup, repeats, flat=f,
+                             host_repeats=host_repeats))
         on_done(rows[-1].label)
     del params
     free_device_memory()

@@ -124,7 +124,8 @@ def run_layouts(plan: VerifyPlan, parts: BenchParts, layout_caps: dict[str, int]
             continue  # not measured, so nothing to model
         cap = layout_caps[layout.name] if layout_caps is not None else (default_cap or default_max_numel())
         parts.layouts.append(run_layout(layout, times=plan.layout_times, max_numel=cap, impl=cfg.impl,
-                                        warmup=cfg.warmup, repeats=cfg.repeats, flat=plan.layout_flat))
+                                        warmup=cfg.warmup, repeats=cfg.repeats, flat=plan.layout_flat,
+                                        host_repeats=plan.layout_host_repeats))
         progress()
 
 

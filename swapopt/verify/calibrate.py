@@ -269,7 +269,9 @@ def measure_matmul(n: int, per_window: int, repeats: int) -> MatmulPoint:
     return point
 
 
-def measure_launch(count: int) -> LaunchCost:
+def measure_launch(count: int, host_tensors: int = 1000) -> LaunchCost:
+    """Launch, event and host costs: `count` tiny kernels back to back, as many events, and a resident fused AdamW
+    step over `host_tensors` small params (measure_host_per_tensor)."""
     mod = device.get_torch_device_module()
     x = torch.zeros(1, device=device.torch_device())
 
@@ -292,7 +294,7 @@ def measure_launch(count: int) -> LaunchCost:
     gap_ms = events[0].elapsed_time(events[-1]) / max(count - 1, 1)
     return LaunchCost(kernel_us=ms * 1e3 / count, host_launch_us=host_s * 1e6 / count,
                       event_record_us=record_s * 1e6 / count, event_gap_us=gap_ms * 1e3,
-                      host_tensor_us=measure_host_per_tensor(HOST_PROBE_TENSORS, host_s * 1e6 / count),
+                      host_tensor_us=measure_host_per_tensor(host_tensors, host_s * 1e6 / count),
                       host_ref_us=_reference_us())
 
 
@@ -302,8 +304,6 @@ def _reference_us() -> float:
     return host_time.reference_us()
 
 
-# Tensors of the host-cost probe: enough that their per-tensor cost dwarfs the step's fixed launches.
-HOST_PROBE_TENSORS = 1000
 # Tensors a fused AdamW step's ops take per param: params, grads, exp_avgs, exp_avg_sqs and steps in the fused
 # kernel, the steps again in the foreach increment before it.
 FUSED_ADAMW_TENSORS_PER_PARAM = 6
@@ -350,7 +350,7 @@ def measure(plan: CalibrationPlan, label: str, *, max_copy_bytes: int | None = N
     adamw = measure_adamw(numels, repeats, on_done=progress)
     matmul = measure_matmul(matmul_n or plan.matmul_n, 1 if matmul_n else plan.matmul_repeats, repeats)
     progress()
-    launch = measure_launch(plan.launches)
+    launch = measure_launch(plan.launches, plan.host_probe_tensors)
     progress()
     notes = []
     if simulated:

@@ -26,6 +26,9 @@ class CalibrationPlan(BaseModel):
     matmul_n: int  # n x n x n bf16 matmul
     matmul_repeats: int
     launches: int  # back-to-back tiny kernels timed by events
+    # params of the host-cost probe (a resident fused AdamW step over small params): enough that their per-tensor
+    # cost dwarfs the step's fixed launches
+    host_probe_tensors: int = 1000
     repeats: int  # timed repeats of each AdamW and matmul probe (median)
 
 
@@ -48,6 +51,8 @@ class VerifyPlan(BaseModel):
     # Each layout chunk count also with the flat chunk update on (swapopt.flat), in rows of its own: which of the
     # two costs the host less per tensor is a device's answer, not the simulator's (Note [flat chunk update]).
     layout_flat: bool = False
+    # Counted steps per layout row, whose median gives its host figures (swapopt.bench.layout_run.HOST_REPEATS).
+    layout_host_repeats: int = 5
     # Only the first this many tensors of each layout (None: all): the dry run keeps a layout's shapes but not its
     # hundreds of tensors, each of which costs the simulator host time per op.
     layout_tensor_limit: int | None = None
@@ -103,6 +108,7 @@ DRY_PLAN = VerifyPlan(
         matmul_n=512,
         matmul_repeats=1,
         launches=200,
+        host_probe_tensors=200,
         repeats=1,  # the simulator's times are deterministic
     ),
     model_copy_max_bytes=4 * MB,
@@ -117,6 +123,10 @@ DRY_PLAN = VerifyPlan(
     layout_max_numel=200_000,
     layout_tensor_limit=12,
     layout_flat=True,
+    # Two counted steps: a dry run checks that the host figures are made, not how steady they are. On the simulator
+    # this machine's reference Python is timed between counted steps (least of 3 runs), which at the dry sizes
+    # costs more than the steps.
+    layout_host_repeats=2,
     e2e=["tiny:train.batch=1:train.seq_len=16:model.dim=32:model.n_layers=1"],
     e2e_steps=5,
     e2e_warmup=1,
