@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+import cli_zygote
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_SWEEP = ["--sizes", "0.001", "--times", "4", "--slots", "3", "--reference-times", "4", "--e2e", "none",
@@ -17,8 +18,7 @@ TINY_SWEEP = ["--sizes", "0.001", "--times", "4", "--slots", "3", "--reference-t
 def bench(*args: str, pythonpath: list[Path] = (), cwd: Path = ROOT) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "SWAPOPT_DEVICE"}
     env["PYTHONPATH"] = os.pathsep.join([*map(str, pythonpath), str(ROOT), env.get("PYTHONPATH", "")])
-    return subprocess.run([sys.executable, "-m", "swapopt.bench", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=600)
+    return cli_zygote.run(["-m", "swapopt.bench", *args], cwd=cwd, env=env, timeout=600)
 
 
 @pytest.mark.slow

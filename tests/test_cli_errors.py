@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+import cli_zygote
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.py")
@@ -17,8 +18,7 @@ def train(*args: str, env: dict[str, str] | None = None, cwd: Path = ROOT) -> su
     full_env = {k: v for k, v in os.environ.items() if k != "SWAPOPT_DEVICE"}
     full_env["PYTHONPATH"] = str(ROOT) + os.pathsep + full_env.get("PYTHONPATH", "")
     full_env.update(env or {})
-    return subprocess.run([sys.executable, "-m", "swapopt.train", *args], cwd=cwd, env=full_env,
-                          capture_output=True, text=True, timeout=300)
+    return cli_zygote.run(["-m", "swapopt.train", *args], cwd=cwd, env=full_env, timeout=300)
 
 
 def assert_one_error_line(done: subprocess.CompletedProcess, *needles: str) -> str:

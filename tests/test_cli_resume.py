@@ -6,10 +6,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+import cli_zygote
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.py")
@@ -20,8 +21,7 @@ SMALL = ["model.dim=32", "model.n_layers=2", "model.n_heads=2", "model.max_seq_l
 def train(*args: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "SWAPOPT_DEVICE"}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    return subprocess.run([sys.executable, "-m", "swapopt.train", TINY, *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
+    return cli_zygote.run(["-m", "swapopt.train", TINY, *args], cwd=ROOT, env=env, timeout=300)
 
 
 def rows(path: Path) -> list[dict]:

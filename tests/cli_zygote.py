@@ -1,0 +1,173 @@
+"""``python -m MODULE ARGS`` for the CLI tests, forked from a process that has imported torch already.
+
+A fresh interpreter spends 3-4 s of CPU importing torch before a command line is even parsed (a 2-core host); the
+CLI tests start some forty of them. A zygote process imports torch once per test worker and forks a child per
+command: the child takes the command's working directory, environment, stdin, stdout and stderr, runs the module as
+``__main__`` (as ``python -m`` does: its path first on ``sys.path``, argv as given) and exits with its status, after
+atexit handlers and non-daemon threads as at interpreter exit. What differs from a fresh process is only what torch
+reads at import (OMP_NUM_THREADS and the like): commands whose environment changes that need ``subprocess``.
+
+Nothing of swapopt is imported before the fork, so the module, its configuration and everything it reads from the
+environment start fresh in each child.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import runpy
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from pathlib import Path
+
+_TESTS = Path(__file__).resolve().parent
+
+
+class Zygote:
+    """The client: one zygote process per test process, started on first use, stopped at exit."""
+
+    _shared: Zygote | None = None
+
+    def __init__(self) -> None:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(_TESTS.parent), os.environ.get(
+            "PYTHONPATH")]))}  # fmt: skip
+        self.proc = subprocess.Popen([sys.executable, str(Path(__file__))], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, env=env, bufsize=0)
+        self._buffer = b""  # replies read from the pipe, not yet taken line by line
+        ready = self._line(120)
+        if ready != {"ready": True}:
+            raise RuntimeError(f"the CLI zygote did not start: {ready}")
+        atexit.register(self.close)
+
+    @classmethod
+    def shared(cls) -> Zygote:
+        if cls._shared is None or cls._shared.proc.poll() is not None:
+            cls._shared = cls()
+        return cls._shared
+
+    def _line(self, timeout: float) -> dict | None:
+        """The zygote's next reply, or None after `timeout` seconds. Read from the descriptor itself: a buffered
+        reader could take two replies at once and leave select() waiting for the second."""
+        deadline = time.monotonic() + timeout
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self._buffer:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                return None
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                return {"closed": self.proc.poll()}
+            self._buffer += chunk
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        return json.loads(line)
+
+    def run(self, argv: list[str], *, cwd: Path | str, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+        """``argv`` (``["-m", module, *args]``) in a forked child: a CompletedProcess with its text output, or
+        TimeoutExpired after killing it."""
+        if argv[:1] != ["-m"] or len(argv) < 2:
+            raise ValueError(f"the zygote runs modules (['-m', name, ...]), not {argv}")
+        with tempfile.TemporaryDirectory() as tmp:
+            out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
+            request = {"module": argv[1], "args": argv[2:], "cwd": str(cwd), "env": env, "stdout": out, "stderr": err}
+            self.proc.stdin.write(json.dumps(request).encode() + b"\n")
+            started = self._line(30)
+            if not started or "pid" not in started:
+                raise RuntimeError(f"the CLI zygote did not start {argv}: {started}")
+            done = self._line(timeout)
+            if done is None:
+                os.kill(started["pid"], signal.SIGKILL)
+                self._line(30)
+                raise subprocess.TimeoutExpired([sys.executable, *argv], timeout)
+            return subprocess.CompletedProcess([sys.executable, *argv], done["returncode"],
+                                               Path(out).read_text(), Path(err).read_text())
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+def run(argv: list[str], *, cwd: Path | str, env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess:
+    """``python argv...`` as subprocess.run(capture_output=True, text=True) gives it, from the shared zygote."""
+    return Zygote.shared().run(argv, cwd=cwd, env=env, timeout=timeout)
+
+
+# ----- the zygote and its children ----------------------------------------------------------------------------
+def _child(request: dict) -> None:
+    """Become ``python -m module args`` in the request's directory and environment; never returns."""
+    code = 1
+    try:
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, request["stdout"], os.O_WRONLY | os.O_CREAT),
+                                (2, request["stderr"], os.O_WRONLY | os.O_CREAT)):  # fmt: skip
+            opened = os.open(path, flags, 0o644)
+            os.dup2(opened, fd)
+            os.close(opened)
+        sys.stdin = open(0, closefd=False)  # noqa: SIM115 - the process's own streams, as at start-up
+        sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115
+        sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD, signal.SIGPIPE):
+            signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+        # python -m: the working directory first on sys.path, then PYTHONPATH's entries, then the installation's
+        extra = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
+        sys.path[:] = [os.getcwd()] + [p for p in extra if p not in sys.path] + [p for p in sys.path[1:]]
+        sys.argv = [request["module"], *request["args"]]  # run_module puts the module's path in argv[0]
+        try:
+            runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+            code = 0
+        except SystemExit as exc:
+            if exc.code is None:
+                code = 0
+            elif isinstance(exc.code, int):
+                code = exc.code
+            else:
+                print(exc.code, file=sys.stderr)
+                code = 1
+        except BaseException:  # noqa: BLE001 - printed as the interpreter prints an uncaught exception
+            sys.excepthook(*sys.exc_info())
+            code = 1
+        threading._shutdown()  # type: ignore[attr-defined]  # non-daemon threads end first, as at exit
+        atexit._run_exitfuncs()
+    except BaseException:  # noqa: BLE001
+        traceback.print_exc()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001, S110
+                pass
+        os._exit(code)
+
+
+def _serve() -> None:
+    import torch  # noqa: F401 - what every child would import first, once
+
+    reply = sys.stdout
+    reply.write(json.dumps({"ready": True}) + "\n")
+    reply.flush()
+    for line in sys.stdin:
+        request = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            _child(request)
+        reply.write(json.dumps({"pid": pid}) + "\n")
+        reply.flush()
+        _, status = os.waitpid(pid, 0)
+        reply.write(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}) + "\n")
+        reply.flush()
+
+
+if __name__ == "__main__":
+    _serve()
