@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
+import cli_zygote
 from device import sim as device_sim
 from device.sim.preset_file import load_preset, looks_like_path, preset_to_dict, save_preset
 from device.sim.presets import PRESETS, SimPreset, resolve_preset
@@ -304,8 +305,8 @@ def test_peer_rows_come_from_the_peers_module(monkeypatch):
 def dry_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
     out = tmp_path_factory.mktemp("verify")
     # Peers have tests of their own (tests/test_bench_peers.py); here the run's own phases.
-    done = subprocess.run([sys.executable, "-m", "swapopt.verify", "--dry-run", "--skip-peers", "--no-progress",
-                           "--out", str(out)], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    done = cli_zygote.run(["-m", "swapopt.verify", "--dry-run", "--skip-peers", "--no-progress",
+                           "--out", str(out)], cwd=ROOT, env=_env(), timeout=600)
     return done, out
 
 
@@ -355,10 +356,9 @@ def test_bench_runs_on_the_calibrated_preset_file(dry_run):
     (preset_path,) = out.glob("*-preset.json")
     preset = load_preset(preset_path)
     bench_out = out / "bench"
-    done = subprocess.run([sys.executable, "-m", "swapopt.bench", "--sim", str(preset_path), "--sizes", "0.0001",
+    done = cli_zygote.run(["-m", "swapopt.bench", "--sim", str(preset_path), "--sizes", "0.0001",
                            "--strategies", "swapopt", "--times", "4", "--slots", "3", "--e2e", "none",
-                           "--no-progress", "--out", str(bench_out)], cwd=ROOT, env=_env(), capture_output=True,
-                          text=True, timeout=600)
+                           "--no-progress", "--out", str(bench_out)], cwd=ROOT, env=_env(), timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     (json_path,) = bench_out.glob("*.json")
     assert json_path.name.startswith(f"sim-{preset.name}-")
@@ -366,8 +366,8 @@ def test_bench_runs_on_the_calibrated_preset_file(dry_run):
 
 
 def test_bench_refuses_a_missing_preset_file(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "swapopt.bench", "--sim", str(tmp_path / "nope.json"), "--out",
-                           str(tmp_path / "out")], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    done = cli_zygote.run(["-m", "swapopt.bench", "--sim", str(tmp_path / "nope.json"), "--out",
+                           str(tmp_path / "out")], cwd=ROOT, env=_env(), timeout=300)
     assert done.returncode == 2
     assert done.stdout.startswith("error: simulator preset file") and "does not exist" in done.stdout
     assert not (tmp_path / "out").exists()
@@ -422,9 +422,8 @@ def test_a_stopped_benchmark_phase_keeps_what_it_finished_and_leaves_the_simulat
 def quick_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
     out = tmp_path_factory.mktemp("verify-quick")
     # The device tests' collection is covered by the full dry run above.
-    done = subprocess.run([sys.executable, "-m", "swapopt.verify", "--quick", "--dry-run", "--skip-device-tests",
-                           "--no-progress", "--out", str(out)], cwd=ROOT, env=_env(), capture_output=True, text=True,
-                          timeout=900)
+    done = cli_zygote.run(["-m", "swapopt.verify", "--quick", "--dry-run", "--skip-device-tests",
+                           "--no-progress", "--out", str(out)], cwd=ROOT, env=_env(), timeout=900)
     return done, out
 
 
@@ -463,8 +462,7 @@ def test_model_adds_the_modeled_side_to_a_quick_report(quick_run, tmp_path):
     shutil.copytree(quick_out, out)
     (json_path,) = out.glob("sim-h100-*-verify-quick.json")
     before = set(p.name for p in out.iterdir())
-    run = subprocess.run([sys.executable, "-m", "swapopt.verify", "--model", str(json_path)], cwd=ROOT, env=_env(),
-                         capture_output=True, text=True, timeout=900)
+    run = cli_zygote.run(["-m", "swapopt.verify", "--model", str(json_path)], cwd=ROOT, env=_env(), timeout=900)
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     assert "with the preset this report's calibration wrote" in run.stdout
     assert set(p.name for p in out.iterdir()) == before  # the same report, rewritten in place
