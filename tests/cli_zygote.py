@@ -1,11 +1,13 @@
-"""``python -m MODULE ARGS`` for the CLI tests, forked from a process that has imported torch already.
+"""``python -m MODULE ARGS`` (or ``-c CODE``, or a script) for the tests, forked from a process that has imported
+torch already.
 
 A fresh interpreter spends 3-4 s of CPU importing torch before a command line is even parsed (a 2-core host); the
 CLI tests start some forty of them. A zygote process imports torch once per test worker and forks a child per
-command: the child takes the command's working directory, environment, stdin, stdout and stderr, runs the module as
-``__main__`` (as ``python -m`` does: its path first on ``sys.path``, argv as given) and exits with its status, after
-atexit handlers and non-daemon threads as at interpreter exit. What differs from a fresh process is only what torch
-reads at import (OMP_NUM_THREADS and the like): commands whose environment changes that need ``subprocess``.
+command: the child takes the command's working directory, environment, stdin, stdout and stderr, runs the module,
+code or script as ``__main__`` (``sys.path[0]`` and ``sys.argv`` as the interpreter sets them for each form) and exits
+with its status, after atexit handlers and non-daemon threads as at interpreter exit. What differs from a fresh
+process: what torch reads at import (OMP_NUM_THREADS and the like) and the interpreter's own teardown (a program whose
+subject is either, or a signal from outside, starts a fresh one with ``subprocess``).
 
 Nothing of swapopt is imported before the fork, so the module, its configuration and everything it reads from the
 environment start fresh in each child.
@@ -25,6 +27,7 @@ import tempfile
 import threading
 import time
 import traceback
+import types
 from pathlib import Path
 
 _TESTS = Path(__file__).resolve().parent
@@ -69,13 +72,15 @@ class Zygote:
         return json.loads(line)
 
     def run(self, argv: list[str], *, cwd: Path | str, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
-        """``argv`` (``["-m", module, *args]``) in a forked child: a CompletedProcess with its text output, or
-        TimeoutExpired after killing it."""
-        if argv[:1] != ["-m"] or len(argv) < 2:
-            raise ValueError(f"the zygote runs modules (['-m', name, ...]), not {argv}")
+        """``argv`` (``["-m", module, *args]``, ``["-c", code, *args]`` or ``[script, *args]``) in a forked child: a
+        CompletedProcess with its text output, or TimeoutExpired after killing it."""
+        argv = [str(a) for a in argv]
+        if not argv or (argv[0] in ("-m", "-c") and len(argv) < 2) or (argv[0].startswith("-") and argv[0] not in (
+                "-m", "-c")):  # fmt: skip
+            raise ValueError(f"the zygote runs ['-m', module, ...], ['-c', code, ...] or [script, ...], not {argv}")
         with tempfile.TemporaryDirectory() as tmp:
             out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
-            request = {"module": argv[1], "args": argv[2:], "cwd": str(cwd), "env": env, "stdout": out, "stderr": err}
+            request = {"argv": argv, "cwd": str(cwd), "env": env, "stdout": out, "stderr": err}
             self.proc.stdin.write(json.dumps(request).encode() + b"\n")
             started = self._line(30)
             if not started or "pid" not in started:
@@ -103,8 +108,8 @@ def run(argv: list[str], *, cwd: Path | str, env: dict[str, str], timeout: float
 
 
 # ----- the zygote and its children ----------------------------------------------------------------------------
-def _child(request: dict) -> None:
-    """Become ``python -m module args`` in the request's directory and environment; never returns."""
+def _child(request: dict, installation: list[str]) -> None:
+    """Become ``python argv...`` in the request's directory and environment; never returns."""
     code = 1
     try:
         os.chdir(request["cwd"])
@@ -120,12 +125,25 @@ def _child(request: dict) -> None:
         sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD, signal.SIGPIPE):
             signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
-        # python -m: the working directory first on sys.path, then PYTHONPATH's entries, then the installation's
+        # sys.path[0] as the interpreter sets it (-m: the working directory, -c: '', a script: its folder), then
+        # the command's PYTHONPATH entries, then the installation's (the zygote's own PYTHONPATH left out)
+        argv = request["argv"]
+        kind = argv[0] if argv[0] in ("-m", "-c") else "script"
+        first = {"-m": os.getcwd(), "-c": "", "script": os.path.dirname(os.path.abspath(argv[0]))}[kind]
         extra = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
-        sys.path[:] = [os.getcwd()] + [p for p in extra if p not in sys.path] + [p for p in sys.path[1:]]
-        sys.argv = [request["module"], *request["args"]]  # run_module puts the module's path in argv[0]
+        sys.path[:] = [first, *extra, *installation]
         try:
-            runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+            if kind == "-m":
+                sys.argv = argv[1:]  # run_module puts the module's path in argv[0]
+                runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+            elif kind == "-c":
+                sys.argv = ["-c", *argv[2:]]
+                main = types.ModuleType("__main__")
+                sys.modules["__main__"] = main
+                exec(compile(argv[1], "<string>", "exec"), main.__dict__)  # noqa: S102 - what python -c does
+            else:
+                sys.argv = argv
+                runpy.run_path(argv[0], run_name="__main__")
             code = 0
         except SystemExit as exc:
             if exc.code is None:
@@ -154,6 +172,8 @@ def _child(request: dict) -> None:
 def _serve() -> None:
     import torch  # noqa: F401 - what every child would import first, once
 
+    own = {os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p}
+    installation = [p for p in sys.path[1:] if os.path.abspath(p) not in own]  # the zygote's sys.path[0]: tests/
     reply = sys.stdout
     reply.write(json.dumps({"ready": True}) + "\n")
     reply.flush()
@@ -161,7 +181,7 @@ def _serve() -> None:
         request = json.loads(line)
         pid = os.fork()
         if pid == 0:
-            _child(request)
+            _child(request, installation)
         reply.write(json.dumps({"pid": pid}) + "\n")
         reply.flush()
         _, status = os.waitpid(pid, 0)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
+
+import cli_zygote
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -69,6 +69,6 @@ def test_snippet_runs_as_written_under_the_simulator(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(PRELUDE + "\n" + code + "\n" + EPILOGUE)
     env = {**os.environ, "SWAPOPT_DEVICE": "sim", "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    done = cli_zygote.run([str(script)], cwd=os.getcwd(), env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "SNIPPET-OK 4" in done.stdout

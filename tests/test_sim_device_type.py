@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+import cli_zygote
 PROGRAM = Path(__file__).with_name("sim_typed_program.py")
 ROOT = PROGRAM.parent.parent
 
@@ -23,7 +22,7 @@ def seen(request: pytest.FixtureRequest) -> tuple[str, dict]:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
-    run = subprocess.run([sys.executable, str(PROGRAM)], env=env, capture_output=True, text=True, timeout=600)
+    run = cli_zygote.run([str(PROGRAM)], cwd=ROOT, env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
     return request.param, json.loads(run.stdout.strip().splitlines()[-1])
 

@@ -9,8 +9,6 @@ present. Each flavour runs in a process of its own (a process registers one), st
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -19,6 +17,7 @@ import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
+import cli_zygote
 import simdevice as simulator
 import xtuner_real
 
@@ -42,8 +41,7 @@ def _run(preset: str, *parts: str) -> str:
     code = "\n".join(textwrap.dedent(part) for part in parts)
     env = {**os.environ, "SWAPOPT_DEVICE": "sim", "SWAPOPT_SIM_PRESET": preset}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests"), env.get("PYTHONPATH", "")])
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          timeout=300, cwd=ROOT)  # fmt: skip
+    done = cli_zygote.run(["-c", code], env=env, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
 

@@ -4,14 +4,13 @@ cost a training script pays for `import swapopt`."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
 
+import cli_zygote
 from swapopt import SwapConfig, SwapOptimizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -117,7 +116,7 @@ def test_import_swapopt_leaves_torch_distributed_tensor_unimported():
     code = "import sys, swapopt; print('torch.distributed.tensor' in sys.modules)"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     env.pop("SWAPOPT_DEVICE", None)
-    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    run = cli_zygote.run(["-c", code], cwd=os.getcwd(), env=env, timeout=120)
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == "False"
 
