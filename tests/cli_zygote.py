@@ -39,8 +39,8 @@ class Zygote:
     _shared: Zygote | None = None
 
     def __init__(self) -> None:
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(_TESTS.parent), os.environ.get(
-            "PYTHONPATH")]))}  # fmt: skip
+        path = os.pathsep.join(filter(None, [str(_TESTS.parent), os.environ.get("PYTHONPATH")]))
+        env = {**os.environ, "PYTHONPATH": path}
         self.proc = subprocess.Popen([sys.executable, str(Path(__file__))], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, env=env, bufsize=0)
         self._buffer = b""  # replies read from the pipe, not yet taken line by line
@@ -75,8 +75,8 @@ class Zygote:
         """``argv`` (``["-m", module, *args]``, ``["-c", code, *args]`` or ``[script, *args]``) in a forked child: a
         CompletedProcess with its text output, or TimeoutExpired after killing it."""
         argv = [str(a) for a in argv]
-        if not argv or (argv[0] in ("-m", "-c") and len(argv) < 2) or (argv[0].startswith("-") and argv[0] not in (
-                "-m", "-c")):  # fmt: skip
+        form = argv[0] if argv else ""
+        if not form or (form.startswith("-") and (form not in ("-m", "-c") or len(argv) < 2)):
             raise ValueError(f"the zygote runs ['-m', module, ...], ['-c', code, ...] or [script, ...], not {argv}")
         with tempfile.TemporaryDirectory() as tmp:
             out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")

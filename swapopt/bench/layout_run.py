@@ -152,7 +152,7 @@ def _flat_update(on: bool):
 
 def _measure(
     kind: str, params: list[torch.nn.Parameter], spec: AdamWSpec, times: int, slots: int,
-    state_bytes: int, warmup: int, repeats: int, flat: bool = False, host_repeats: int = HOST_REPEATS,
+    state_bytes: int, warmup: int, repeats: int, host_repeats: int, flat: bool = False,
 ) -> LayoutRow:
     row = LayoutRow(kind=kind, label=kind, flat=flat)
     pinned_before = _pinned_now()
@@ -266,8 +266,7 @@ def run_layout(
     runs = [("resident", 0, False)] + [("swapopt", t, f) for t in times for f in ((False, True) if flat else (False,))]
     runs += [("swapopt-graph", t, False) for t in times] if graph else []
     for kind, t, f in runs:
-        rows.append(_measure(kind, params, spec, t or 16, slots, state_bytes, warmup, repeats, flat=f,
-                             host_repeats=host_repeats))
+        rows.append(_measure(kind, params, spec, t or 16, slots, state_bytes, warmup, repeats, host_repeats, flat=f))
         on_done(rows[-1].label)
     del params
     free_device_memory()

@@ -269,7 +269,7 @@ def measure_matmul(n: int, per_window: int, repeats: int) -> MatmulPoint:
     return point
 
 
-def measure_launch(count: int, host_tensors: int = 1000) -> LaunchCost:
+def measure_launch(count: int, host_tensors: int) -> LaunchCost:
     """Launch, event and host costs: `count` tiny kernels back to back, as many events, and a resident fused AdamW
     step over `host_tensors` small params (measure_host_per_tensor)."""
     mod = device.get_torch_device_module()

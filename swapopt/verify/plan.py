@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field
 
+from swapopt.bench.layout_run import HOST_REPEATS
 from swapopt.bench.strategies import ALL_STRATEGIES
 
 MB = 1 << 20
@@ -51,8 +52,7 @@ class VerifyPlan(BaseModel):
     # Each layout chunk count also with the flat chunk update on (swapopt.flat), in rows of its own: which of the
     # two costs the host less per tensor is a device's answer, not the simulator's (Note [flat chunk update]).
     layout_flat: bool = False
-    # Counted steps per layout row, whose median gives its host figures (swapopt.bench.layout_run.HOST_REPEATS).
-    layout_host_repeats: int = 5
+    layout_host_repeats: int = HOST_REPEATS  # counted steps per layout row, whose median gives its host figures
     # Only the first this many tensors of each layout (None: all): the dry run keeps a layout's shapes but not its
     # hundreds of tensors, each of which costs the simulator host time per op.
     layout_tensor_limit: int | None = None
