@@ -6,11 +6,15 @@ CLI tests start some forty of them. A zygote process imports torch once per test
 command: the child takes the command's working directory, environment, stdin, stdout and stderr, runs the module,
 code or script as ``__main__`` (``sys.path[0]`` and ``sys.argv`` as the interpreter sets them for each form) and exits
 with its status, after atexit handlers and non-daemon threads as at interpreter exit. What differs from a fresh
-process: what torch reads at import (OMP_NUM_THREADS and the like) and the interpreter's own teardown (a program whose
-subject is either, or a signal from outside, starts a fresh one with ``subprocess``).
+process: what torch reads at import (the command's OMP_NUM_THREADS is applied with torch.set_num_threads, the rest
+is the zygote's) and the interpreter's own teardown (a program whose subject is either, or a signal from outside,
+starts a fresh one with ``subprocess``).
 
 Nothing of swapopt is imported before the fork, so the module, its configuration and everything it reads from the
-environment start fresh in each child.
+environment start fresh in each child. One request may start several children at once (``run_all``: the ranks of a
+multi-process job, tests/dist_utils.py's ``launch``), and a zygote may import more of torch before it forks
+(``preload``: the distributed packages every rank imports); a zygote serves one preload, so the CLI's own imports stay
+as a fresh interpreter's.
 """
 
 from __future__ import annotations
@@ -29,19 +33,32 @@ import time
 import traceback
 import types
 from pathlib import Path
+from typing import NamedTuple
 
 _TESTS = Path(__file__).resolve().parent
 
 
+class Command(NamedTuple):
+    """``python argv...`` in ``cwd`` with exactly ``env`` (argv: ``["-m", module, *args]``, ``["-c", code, *args]`` or
+    ``[script, *args]``)."""
+
+    argv: list[str]
+    cwd: Path | str
+    env: dict[str, str]
+
+
 class Zygote:
-    """The client: one zygote process per test process, started on first use, stopped at exit."""
+    """The client: one zygote process per test process, preload and PYTHONPATH, started on first use, stopped at exit."""
 
-    _shared: Zygote | None = None
+    # One per preload and PYTHONPATH: a sitecustomize.py on PYTHONPATH (the mutations' in_subprocesses) runs once, as
+    # the zygote starts, and its children inherit what it did.
+    _shared: dict[tuple[tuple[str, ...], str | None], Zygote] = {}
 
-    def __init__(self) -> None:
+    def __init__(self, preload: tuple[str, ...] = ()) -> None:
+        """``preload``: modules the zygote imports after torch, before it forks (each child then has them)."""
         path = os.pathsep.join(filter(None, [str(_TESTS.parent), os.environ.get("PYTHONPATH")]))
         env = {**os.environ, "PYTHONPATH": path}
-        self.proc = subprocess.Popen([sys.executable, str(Path(__file__))], stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen([sys.executable, str(Path(__file__)), *preload], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, env=env, bufsize=0)
         self._buffer = b""  # replies read from the pipe, not yet taken line by line
         ready = self._line(120)
@@ -50,10 +67,12 @@ class Zygote:
         atexit.register(self.close)
 
     @classmethod
-    def shared(cls) -> Zygote:
-        if cls._shared is None or cls._shared.proc.poll() is not None:
-            cls._shared = cls()
-        return cls._shared
+    def shared(cls, preload: tuple[str, ...] = ()) -> Zygote:
+        key = (preload, os.environ.get("PYTHONPATH"))
+        zygote = cls._shared.get(key)
+        if zygote is None or zygote.proc.poll() is not None:
+            zygote = cls._shared[key] = cls(preload)
+        return zygote
 
     def _line(self, timeout: float) -> dict | None:
         """The zygote's next reply, or None after `timeout` seconds. Read from the descriptor itself: a buffered
@@ -72,26 +91,44 @@ class Zygote:
         return json.loads(line)
 
     def run(self, argv: list[str], *, cwd: Path | str, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
-        """``argv`` (``["-m", module, *args]``, ``["-c", code, *args]`` or ``[script, *args]``) in a forked child: a
-        CompletedProcess with its text output, or TimeoutExpired after killing it."""
-        argv = [str(a) for a in argv]
-        form = argv[0] if argv else ""
-        if not form or (form.startswith("-") and (form not in ("-m", "-c") or len(argv) < 2)):
-            raise ValueError(f"the zygote runs ['-m', module, ...], ['-c', code, ...] or [script, ...], not {argv}")
+        """``argv`` in a forked child: a CompletedProcess with its text output, or TimeoutExpired after killing it."""
+        (done,), killed = self._run_all([Command(argv, cwd, env)], timeout)
+        if killed:
+            raise subprocess.TimeoutExpired(done.args, timeout, done.stdout, done.stderr)
+        return done
+
+    def run_all(self, commands: list[Command], timeout: float) -> list[subprocess.CompletedProcess]:
+        """Every command in a forked child of its own, all running at once (the ranks of one job): a CompletedProcess
+        for each once all have exited. Past ``timeout`` seconds every child still running is killed (SIGKILL: its
+        returncode is -9), so that a rank waiting for a peer that failed cannot hold the run up for ever."""
+        return self._run_all(commands, timeout)[0]
+
+    def _run_all(self, commands: list[Command], timeout: float) -> tuple[list[subprocess.CompletedProcess], bool]:
+        """The children's results, and whether the timeout killed them."""
+        for argv, _, _ in commands:
+            form = argv[0] if argv else ""
+            if not form or (form.startswith("-") and (form not in ("-m", "-c") or len(argv) < 2)):
+                raise ValueError(f"the zygote runs ['-m', module, ...], ['-c', code, ...] or [script, ...], not {argv}")
         with tempfile.TemporaryDirectory() as tmp:
-            out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
-            request = {"argv": argv, "cwd": str(cwd), "env": env, "stdout": out, "stderr": err}
-            self.proc.stdin.write(json.dumps(request).encode() + b"\n")
+            children = [{"argv": [str(a) for a in argv], "cwd": str(cwd), "env": env,
+                         "stdout": os.path.join(tmp, f"stdout{i}"), "stderr": os.path.join(tmp, f"stderr{i}")}
+                        for i, (argv, cwd, env) in enumerate(commands)]  # fmt: skip
+            self.proc.stdin.write(json.dumps({"children": children}).encode() + b"\n")
             started = self._line(30)
-            if not started or "pid" not in started:
-                raise RuntimeError(f"the CLI zygote did not start {argv}: {started}")
+            if not started or "pids" not in started:
+                raise RuntimeError(f"the CLI zygote did not start {[c['argv'] for c in children]}: {started}")
             done = self._line(timeout)
-            if done is None:
-                os.kill(started["pid"], signal.SIGKILL)
-                self._line(30)
-                raise subprocess.TimeoutExpired([sys.executable, *argv], timeout)
-            return subprocess.CompletedProcess([sys.executable, *argv], done["returncode"],
-                                               Path(out).read_text(), Path(err).read_text())
+            killed = done is None
+            if killed:
+                for pid in started["pids"]:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:  # it had exited already
+                        pass
+                done = self._line(30)
+            return [subprocess.CompletedProcess([sys.executable, *c["argv"]], code, Path(c["stdout"]).read_text(),
+                                                Path(c["stderr"]).read_text())
+                    for c, code in zip(children, done["returncodes"])], killed  # fmt: skip
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -107,6 +144,11 @@ def run(argv: list[str], *, cwd: Path | str, env: dict[str, str], timeout: float
     return Zygote.shared().run(argv, cwd=cwd, env=env, timeout=timeout)
 
 
+def run_all(commands: list[Command], *, preload: tuple[str, ...] = (), timeout: float = 300) -> list[subprocess.CompletedProcess]:
+    """The commands at once, each as ``run`` runs one, from the shared zygote of ``preload``."""
+    return Zygote.shared(preload).run_all(commands, timeout)
+
+
 # ----- the zygote and its children ----------------------------------------------------------------------------
 def _child(request: dict, installation: list[str]) -> None:
     """Become ``python argv...`` in the request's directory and environment; never returns."""
@@ -115,6 +157,11 @@ def _child(request: dict, installation: list[str]) -> None:
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
+        threads = request["env"].get("OMP_NUM_THREADS", "")
+        if threads.isdigit() and int(threads) > 0:  # torch read it at the zygote's import: set what it would have
+            import torch
+
+            torch.set_num_threads(int(threads))
         for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, request["stdout"], os.O_WRONLY | os.O_CREAT),
                                 (2, request["stderr"], os.O_WRONLY | os.O_CREAT)):  # fmt: skip
             opened = os.open(path, flags, 0o644)
@@ -169,25 +216,37 @@ def _child(request: dict, installation: list[str]) -> None:
         os._exit(code)
 
 
-def _serve() -> None:
+def _serve(preload: list[str]) -> None:
+    import gc
+    import importlib
+
     import torch  # noqa: F401 - what every child would import first, once
 
+    for name in preload:
+        importlib.import_module(name)
+    # What the zygote imported lives in every child until it exits: out of the garbage collector's sight there
+    # (Note [collection out of the collector's sight] in tests/conftest.py), and its pages stay shared with the
+    # children instead of being copied when a collection writes to them.
+    gc.collect()
+    gc.freeze()
     own = {os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p}
     installation = [p for p in sys.path[1:] if os.path.abspath(p) not in own]  # the zygote's sys.path[0]: tests/
     reply = sys.stdout
     reply.write(json.dumps({"ready": True}) + "\n")
     reply.flush()
     for line in sys.stdin:
-        request = json.loads(line)
-        pid = os.fork()
-        if pid == 0:
-            _child(request, installation)
-        reply.write(json.dumps({"pid": pid}) + "\n")
+        pids = []
+        for child in json.loads(line)["children"]:
+            pid = os.fork()
+            if pid == 0:
+                _child(child, installation)
+            pids.append(pid)
+        reply.write(json.dumps({"pids": pids}) + "\n")
         reply.flush()
-        _, status = os.waitpid(pid, 0)
-        reply.write(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}) + "\n")
+        codes = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids]
+        reply.write(json.dumps({"returncodes": codes}) + "\n")
         reply.flush()
 
 
 if __name__ == "__main__":
-    _serve()
+    _serve(sys.argv[1:])

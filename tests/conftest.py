@@ -4,6 +4,7 @@ and the library's logging quieted after a CLI run."""
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import os
 from collections.abc import Iterator
@@ -93,11 +94,26 @@ def _process_wide_torch_state() -> Iterator[None]:
     torch.set_grad_enabled(grad)
 
 
+# Note [collection out of the collector's sight]
+# Collection imports torch, its optim_db, the frameworks and every test module: some 200,000 objects that live
+# until the process ends. Each full garbage collection walked all of them, 0.2-0.4 s on a 2-core host, and the suite
+# makes hundreds: the benchmark collects between its rows (swapopt.bench.measure.free_device_memory), tests that
+# count device memory collect first, and the interpreter collects on its own. gc.freeze() moves them to the
+# permanent generation, which collections skip; objects made later, the tests' own, are collected as before. Once
+# per process: `python -m tests.mutations` collects again for each mutation, in one process.
+_FROZE: list[bool] = []
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Importing torch.testing._internal (optim_db) at collection freezes torch.backends flags for the whole
     process, as torch's own suite wants; tests here set them (Lightning sets cudnn.benchmark), so whatever
-    modules were collected, the tests start with them settable."""
+    modules were collected, the tests start with them settable. Then what collection built is moved out of the
+    garbage collector's sight (Note [collection out of the collector's sight])."""
     torch.backends.flags_frozen.__globals__["__allow_nonbracketed_mutation_flag"] = True
+    if not _FROZE:
+        gc.collect()  # garbage left by the imports is freed, not kept for ever
+        gc.freeze()
+        _FROZE.append(True)
 
 
 @pytest.fixture(autouse=True)

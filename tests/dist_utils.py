@@ -1,5 +1,6 @@
 """Shared by the checkpoint, DCP and offload tests: a tiny model, a deterministic training loop, state
-snapshots, and a launcher that runs a script as N fresh ranks (torchrun-style env, gloo on 127.0.0.1)."""
+snapshots, and a launcher that runs a script as N ranks (torchrun-style env, gloo on 127.0.0.1), forked from a
+process that imported torch once or, where a test asks, in fresh interpreters."""
 
 from __future__ import annotations
 
@@ -14,25 +15,37 @@ from typing import Any
 import torch
 from torch import nn
 
+import cli_zygote
 import device
 from swapopt import SwapOptimizer
 
+_ROOT = Path(__file__).resolve().parent.parent
 
-def launch(script: str, world_size: int, *args: str, timeout: float = 180.0) -> None:
+
+# What the rank scripts import before their own code: torch's distributed packages, and Dynamo, which fully_shard
+# imports. The ranks fork from a zygote that imported them once (tests/cli_zygote.py), so that a rank's CPU goes to
+# its job rather than to 4-5 s of imports: some twenty ranks start in the suite, on two cores.
+RANK_PRELOAD = ("torch.distributed.checkpoint", "torch.distributed.fsdp", "torch.distributed.tensor", "torch._dynamo")
+
+
+def launch(script: str, world_size: int, *args: str, timeout: float = 180.0, fresh: bool = False) -> None:
     """Run ``world_size`` ranks of ``tests/<script>`` on the simulator and wait for all; fails with their
-    stderr if any rank fails or times out."""
+    stderr if any rank fails or times out. The ranks fork from the launch zygote (RANK_PRELOAD); ``fresh``: fresh
+    interpreters, for a test whose subject is the interpreter's own start or exit."""
+    launch_argv([str(_ROOT / "tests" / script), *args], world_size, timeout=timeout, fresh=fresh)
+
+
+def launch_argv(argv: list[str], world_size: int, *, timeout: float = 180.0, fresh: bool = False) -> None:
+    """``launch`` for any command line (``["-m", module, *args]``, or a script and its arguments)."""
     # The launcher hosts the rendezvous store itself, on a port the OS picks and that stays bound until the
     # ranks are done, and every rank connects as a client (torchrun's agent store). Picking a free port and
     # letting rank 0 bind it later would race any other process taking that port in between.
     store = torch.distributed.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
-    port = store.port
-    root = Path(__file__).resolve().parent.parent
-    procs = []
-    for rank in range(world_size):
-        env = dict(
+    envs = [
+        dict(
             os.environ,
             MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
+            MASTER_PORT=str(store.port),
             TORCHELASTIC_USE_AGENT_STORE="True",  # env:// connects to the store above instead of hosting one
             RANK=str(rank),
             LOCAL_RANK=str(rank),
@@ -40,27 +53,42 @@ def launch(script: str, world_size: int, *args: str, timeout: float = 180.0) -> 
             LOCAL_WORLD_SIZE=str(world_size),
             OMP_NUM_THREADS="1",
             SWAPOPT_DEVICE="sim",  # the simulator, process-wide, in every rank
-            PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])),
+            PYTHONPATH=os.pathsep.join(filter(None, [str(_ROOT), os.environ.get("PYTHONPATH")])),
         )
+        for rank in range(world_size)
+    ]
+    if fresh:
+        results = _run_fresh(argv, envs, timeout)
+    else:
+        commands = [cli_zygote.Command(argv, _ROOT, env) for env in envs]
+        results = [(done.returncode, done.stderr) for done in cli_zygote.run_all(commands, preload=RANK_PRELOAD,
+                                                                                  timeout=timeout)]  # fmt: skip
+    del store
+    failures = [f"rank {rank} exited {code}\n{err[-4000:]}" for rank, (code, err) in enumerate(results) if code != 0]
+    if failures:
+        raise AssertionError(f"{' '.join(map(str, argv))} failed:\n" + "\n".join(failures))
+
+
+def _run_fresh(argv: list[str], envs: list[dict[str, str]], timeout: float) -> list[tuple[int, str]]:
+    """Each rank in a fresh interpreter: (exit status, stderr) of each, all killed once one times out."""
+    procs = []
+    for env in envs:
         # stderr to a file, not a pipe: a rank that logs a lot must not block on a full pipe.
         err = tempfile.TemporaryFile("w+")
-        cmd = [sys.executable, str(root / "tests" / script), *args]
-        procs.append((subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err), err))
-    failures = []
-    for rank, (proc, err) in enumerate(procs):
+        procs.append((subprocess.Popen([sys.executable, *argv], cwd=_ROOT, env=env, stdout=subprocess.DEVNULL,
+                                       stderr=err), err))  # fmt: skip
+    results = []
+    for proc, err in procs:
         try:
             proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             for p, _ in procs:
                 p.kill()
             proc.wait()
-        if proc.returncode != 0:
-            err.seek(0)
-            failures.append(f"rank {rank} exited {proc.returncode}\n{err.read()[-4000:]}")
+        err.seek(0)
+        results.append((proc.returncode, err.read()))
         err.close()
-    del store
-    if failures:
-        raise AssertionError(f"{script} {' '.join(args)} failed:\n" + "\n".join(failures))
+    return results
 
 
 def end_rank() -> None:

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+import cli_zygote
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.py")
 LLM_1B = str(ROOT / "configs" / "llm_1b.py")
@@ -73,8 +75,8 @@ def test_sigint_prints_resume_line_keeps_checkpoint_and_metrics(tmp_path):
     # The printed command resumes (here told to stop two steps later) and appends each step once.
     command = shlex.split(last.split("resume with: ")[1])
     assert command[:3] == [Path(sys.executable).name, "-m", "swapopt.train"] and command[-2:] == ["--resume", str(saved)]
-    command = [sys.executable] + [a.replace("train.steps=100000", f"train.steps={step + 2}") for a in command[1:]]
-    done = subprocess.run(command, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
+    argv = [a.replace("train.steps=100000", f"train.steps={step + 2}") for a in command[1:]]
+    done = cli_zygote.run(argv, cwd=tmp_path, env=_env(), timeout=300)  # no signal: forked (tests/cli_zygote.py)
     assert done.returncode == 0, done.stdout + done.stderr
     assert _steps(metrics) == list(range(1, step + 3))
 

@@ -1,6 +1,8 @@
 """FSDP2 (fully_shard on a mesh of the simulated device, gloo) + DCP with SwapOptimizer(AdamW), each run in fresh processes on
 the simulator: resume is bitwise equal to an uninterrupted run, and checkpoints reshard between 2 and 1 ranks.
-The model's dims (7, 5, 3 rows) do not divide by 2, so shards are uneven."""
+The model's dims (7, 5, 3 rows) do not divide by 2, so shards are uneven. The rank processes are new ones that
+share nothing with the run that saved (forked from a process that imported only torch: tests/dist_utils.py's
+launch); tests/test_dist_exit.py runs such a job in fresh interpreters."""
 
 from __future__ import annotations
 

@@ -18,7 +18,8 @@ LAUNCHES = int(os.environ.get("SWAPOPT_EXIT_LAUNCHES", "1"))
 @pytest.mark.slow
 def test_two_rank_fsdp_dcp_script_exits_normally_every_time(tmp_path):
     for i in range(LAUNCHES):
-        launch("dist_exit_rank.py", 2, str(tmp_path / f"ckpt{i}"))  # fails on any non-zero exit status
+        # fresh interpreters, whose own exit is the subject; fails on any non-zero exit status
+        launch("dist_exit_rank.py", 2, str(tmp_path / f"ckpt{i}"), fresh=True)
 
 
 def test_collective_tensors_are_held_until_no_cpp_holder_is_left(sim, pg):

@@ -4,15 +4,13 @@ the update, and no train step that makes the host wait for the device."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 import device
+from dist_utils import launch_argv
 from swapopt.engine.config import load_config
 from swapopt.engine.trainer import StepMetrics, TrainEngine
 
@@ -99,13 +97,10 @@ def test_checkpoint_and_rollout_right_after_an_overlapped_step_see_the_updated_p
     assert got == straight
 
 
-def _torchrun(*args: str) -> None:
-    env = {k: v for k, v in os.environ.items() if k != "SWAPOPT_DEVICE"}
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "swapopt.train", str(TINY), "--cfg-options", *SMALL, *args]
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout + done.stderr
+def _two_ranks(*args: str) -> None:
+    """The main job as 2 torchrun-style ranks (tests/dist_utils.py's launch: torchrun's environment and rendezvous,
+    the ranks forked from a process that imported torch; tests/test_train.py runs torchrun itself)."""
+    launch_argv(["-m", "swapopt.train", str(TINY), "--cfg-options", *SMALL, *args], 2, timeout=300)
 
 
 @pytest.mark.slow
@@ -113,8 +108,8 @@ def test_two_rank_fsdp2_engine_is_bitwise_equal_with_overlap_on_and_off(tmp_path
     rows = {}
     for overlap in (False, True):
         path = tmp_path / f"overlap_{overlap}.jsonl"
-        _torchrun("train.steps=3", "train.log_interval=2", f"optim.overlap_forward={overlap}",
-                  f"train.metrics_path={path}")
+        _two_ranks("train.steps=3", "train.log_interval=2", f"optim.overlap_forward={overlap}",
+                   f"train.metrics_path={path}")
         rows[overlap] = [json.loads(line) for line in path.read_text().splitlines()]
     assert [r["step"] for r in rows[True]] == [1, 2, 3]
     for key in ("loss", "grad_norm"):

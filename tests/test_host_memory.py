@@ -186,15 +186,13 @@ def test_job_host_bytes_is_the_arithmetic_of_the_docs():
 
 def test_the_engine_prints_one_error_line_when_the_host_is_too_small(tmp_path):
     import os
-    import subprocess
-    import sys
+
+    import cli_zygote
 
     env = {**os.environ, "SWAPOPT_SIM_HOST_MB": "1"}
-    out = subprocess.run(
-        [sys.executable, "-m", "swapopt.train", "configs/tiny.py", "--cfg-options", f"train.checkpoint_dir={tmp_path}",
-         "train.metrics_path=None"],
-        capture_output=True, text=True, env=env, timeout=300,
-    )
+    # a start-up check: forked from a process that imported torch once (tests/cli_zygote.py)
+    out = cli_zygote.run(["-m", "swapopt.train", "configs/tiny.py", "--cfg-options", f"train.checkpoint_dir={tmp_path}",
+                          "train.metrics_path=None"], cwd=os.getcwd(), env=env, timeout=300)
     assert out.returncode == 2, out.stderr[-2000:]
     lines = [line for line in out.stdout.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: swapopt: the optimizer states need"), out.stdout

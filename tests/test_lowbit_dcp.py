@@ -48,7 +48,7 @@ def _check(d, kind: str, ranks: int) -> None:
         _assert_same(resident, resumed, f"{kind} rank {rank}")
 
 
-@pytest.mark.slow  # one launch of 2 fresh ranks: about 20 s, most of it importing torch, torchao and dynamo
+@pytest.mark.slow  # one launch of 2 new ranks: about 7 s, most of it importing torchao and the job itself
 def test_two_ranks_resume_in_fresh_processes_bitwise_to_resident(tmp_path):
     launch("dist_lowbit_dcp.py", 2, *(job for kind in KINDS for job in _jobs(kind, tmp_path)))
     for kind in KINDS:

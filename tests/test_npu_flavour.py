@@ -5,11 +5,11 @@ backend once per process, so a process simulates one flavour (Note [simulated de
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+import cli_zygote
 
 TESTS = Path(__file__).parent
 # The tests whose subject is the device: stepping and its failures, streams and races, memory, offload,
@@ -36,10 +36,9 @@ def run_under_npu(files: tuple[str, ...]) -> None:
     env.pop("SWAPOPT_DEVICE", None)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS.parent), env.get("PYTHONPATH")]))
     paths = [str(TESTS / name) for name in files]
-    run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-v", "-n", "0", "-p", "no:cacheprovider", "-x", *paths],
-        env=env, capture_output=True, text=True, timeout=900, cwd=TESTS.parent,
-    )  # fmt: skip
+    # forked from a process that imported torch once (tests/cli_zygote.py): the session names the backend itself
+    run = cli_zygote.run(["-m", "pytest", "-v", "-n", "0", "-p", "no:cacheprovider", "-x", *paths], env=env,
+                         timeout=900, cwd=TESTS.parent)
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
     assert "simulated device: npu flavour" in run.stdout  # conftest's report header: the session's flavour
     assert " passed" in run.stdout

@@ -10,7 +10,6 @@ runs itself in a process of its own (test_in_npu_process)."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -18,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import cli_zygote
 import simdevice as simulator
 from swapopt import SwapOptimizer
 from swapopt import npu as swapopt_npu
@@ -32,10 +32,9 @@ def test_in_npu_process() -> None:
     env.pop("SWAPOPT_DEVICE", None)
     root = Path(__file__).parent.parent
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
-    run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-v", "-n", "0", "-p", "no:cacheprovider", __file__],
-        env=env, capture_output=True, text=True, timeout=600, cwd=root,
-    )  # fmt: skip
+    # forked from a process that imported torch once (tests/cli_zygote.py): the session names the backend itself
+    run = cli_zygote.run(["-m", "pytest", "-v", "-n", "0", "-p", "no:cacheprovider", __file__], cwd=root, env=env,
+                         timeout=600)
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
     assert " passed" in run.stdout and " failed" not in run.stdout
 

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+
+import cli_zygote
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -38,7 +39,8 @@ def _run(hook: str, prelude: str = "", register: str = "h.register_hook", activa
     code = textwrap.dedent(prelude) + program
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     env.pop("SWAPOPT_DEVICE", None)
-    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    # forked from a process that imported torch once (tests/cli_zygote.py): a std::terminate still ends only it
+    return cli_zygote.run(["-c", code], cwd=os.getcwd(), env=env, timeout=300)
 
 
 def test_ctrl_c_during_backward_raises_when_the_pass_returns():

@@ -7,8 +7,6 @@ flavour's torch.cuda.graph routes to the simulator (the npu flavour's torch.npu.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import textwrap
 import threading
 from pathlib import Path
@@ -16,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import cli_zygote
 import device
 import simdevice as simulator
 from device.sim import StreamRaceError, host_time
@@ -549,9 +548,7 @@ def test_torch_npu_graph_is_the_simulators_under_the_npu_flavour() -> None:
     env = {**os.environ, "SWAPOPT_SIM_PRESET": "910b"}
     env.pop("SWAPOPT_DEVICE", None)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
-    run = subprocess.run(
-        [sys.executable, "-c", program], env=env, capture_output=True, text=True, timeout=300, cwd=root, check=False
-    )
+    run = cli_zygote.run(["-c", program], cwd=root, env=env, timeout=300)  # forked: the child names the backend
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stdout[-3000:] + run.stderr[-3000:]
 
 

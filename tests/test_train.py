@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+import cli_zygote
 from swapopt.train import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -141,18 +142,20 @@ def _torchrun(*args: str) -> subprocess.CompletedProcess:
 @pytest.mark.slow
 def test_torchrun_two_ranks_resume_continues_bitwise(tmp_path):
     straight, resumed, ckpt = tmp_path / "straight.jsonl", tmp_path / "resumed.jsonl", tmp_path / "ckpt"
-    run = _torchrun("--cfg-options", *SMALL, "train.steps=4", f"train.metrics_path={straight}")
+    # Two torchrun jobs (each starts three interpreters): 4 steps that save a checkpoint after step 2 on the way, and
+    # one resumed from that checkpoint, whose steps 3 and 4 must be the first job's bit for bit.
+    run = _torchrun("--cfg-options", *SMALL, "train.steps=4", f"train.checkpoint_dir={ckpt}",
+                    "train.checkpoint_interval=2", f"train.metrics_path={straight}")
     assert "world size 2" in run.stdout and "simulated" in run.stdout
     # Rank r trains on device r (torchrun's LOCAL_RANK), not every rank on the first device it touched.
     placed = sorted(line.split("] ", 1)[0] + "] " + line.rsplit("params on ", 1)[1]
                     for line in run.stderr.splitlines() if ": params on " in line)
     assert placed == ["[rank 0] sim:0", "[rank 1] sim:1"], run.stderr
-    _torchrun("--cfg-options", *SMALL, "train.steps=2", f"train.checkpoint_dir={ckpt}",
-              f"train.metrics_path={resumed}")
     assert (ckpt / "step_00000002" / "trainer.json").is_file()
-    _torchrun("--resume", str(ckpt), "--cfg-options", *SMALL, "train.steps=4", f"train.metrics_path={resumed}")
+    _torchrun("--resume", str(ckpt / "step_00000002"), "--cfg-options", *SMALL, "train.steps=4",
+              f"train.metrics_path={resumed}")
     assert len(losses(straight)) == 4
-    assert losses(resumed) == losses(straight)
+    assert losses(resumed) == losses(straight)[2:]
 
 
 def test_resident_baseline_runs_out_of_memory_where_swapping_fits(clean_device_env, capsys):
@@ -168,9 +171,9 @@ def test_resident_baseline_runs_out_of_memory_where_swapping_fits(clean_device_e
 def test_llm_1b_that_cannot_fit_host_ram_is_refused_before_anything_is_built(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "SWAPOPT_DEVICE"}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    cmd = [sys.executable, "-m", "swapopt.train", str(ROOT / "configs" / "llm_1b.py"), "--cfg-options",
-           "model.dim=8192", "model.n_heads=64", "model.n_layers=160"]  # 65B params: 1 TB of host RAM
-    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    argv = ["-m", "swapopt.train", str(ROOT / "configs" / "llm_1b.py"), "--cfg-options",
+            "model.dim=8192", "model.n_heads=64", "model.n_layers=160"]  # 65B params: 1 TB of host RAM
+    done = cli_zygote.run(argv, cwd=tmp_path, env=env, timeout=300)  # a start-up check: forked (tests/cli_zygote.py)
     assert done.returncode == 2, done.stdout + done.stderr
     lines = [line for line in done.stdout.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: this job needs about ")

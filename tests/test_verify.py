@@ -120,8 +120,8 @@ def test_process_wide_simulator_takes_a_preset_path(tmp_path):
     except ValueError:
         pytest.skip("device.sim.presets.get_preset does not take preset file paths yet (SWAPOPT_SIM_PRESET needs it)")
     env = _env() | {"SWAPOPT_DEVICE": "sim", "SWAPOPT_SIM_PRESET": str(path)}
-    done = subprocess.run([sys.executable, "-c", "import device; p = device.get_torch_device_module().preset; "
-                           "print(p.name, p.h2d_gbps)"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    done = cli_zygote.run(["-c", "import device; p = device.get_torch_device_module().preset; print(p.name, p.h2d_gbps)"],
+                          cwd=ROOT, env=env, timeout=300)
     assert done.stdout.split() == ["from-env", "33.0"], done.stderr[-2000:]
 
 

@@ -4,10 +4,10 @@ per mutation, so patches never leak into this session)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
+import os
 from pathlib import Path
 
+import cli_zygote
 from mutations import REGISTRY
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -22,8 +22,8 @@ def run_half(half: int) -> None:
     """Every mutation of one half of the registry makes its tests fail. The suite's workers take a file each
     (--dist loadfile): two halves in two files let them share the registry's minutes."""
     names = [m.name for m in REGISTRY][half::2]
-    done = subprocess.run([sys.executable, "-m", "tests.mutations", *names], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
+    # forked from a process that imported torch once (tests/cli_zygote.py)
+    done = cli_zygote.run(["-m", "tests.mutations", *names], cwd=ROOT, env=dict(os.environ), timeout=300)
     summary = done.stdout[done.stdout.rfind("\nmutations:"):]
     assert done.returncode == 0, summary or done.stdout + done.stderr
     assert summary.count("caught") == len(names), summary
