@@ -101,7 +101,7 @@ def _process_wide_torch_state() -> Iterator[None]:
 # count device memory collect first, and the interpreter collects on its own. gc.freeze() moves them to the
 # permanent generation, which collections skip; objects made later, the tests' own, are collected as before. Once
 # per process: `python -m tests.mutations` collects again for each mutation, in one process.
-_FROZE: list[bool] = []
+_collection_frozen = False
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -109,11 +109,12 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     process, as torch's own suite wants; tests here set them (Lightning sets cudnn.benchmark), so whatever
     modules were collected, the tests start with them settable. Then what collection built is moved out of the
     garbage collector's sight (Note [collection out of the collector's sight])."""
+    global _collection_frozen
     torch.backends.flags_frozen.__globals__["__allow_nonbracketed_mutation_flag"] = True
-    if not _FROZE:
+    if not _collection_frozen:
         gc.collect()  # garbage left by the imports is freed, not kept for ever
         gc.freeze()
-        _FROZE.append(True)
+        _collection_frozen = True
 
 
 @pytest.fixture(autouse=True)
