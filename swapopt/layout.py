@@ -513,8 +513,9 @@ class HostLayout:
         chunk_bytes = None if knobs.chunk_mb is None else int(knobs.chunk_mb * MiB)
         # With prefetch the first chunks stream in under the backward: no ramp (Note [ramp] in swapopt.plan)
         ramp = not knobs.prefetch
-        # the link's costs choose between plans of the same budget (Note [chunk count from costs] in swapopt.plan)
-        costs = link_costs(self.ctx.device)
+        # the link's costs choose between plans of the same budget (Note [chunk count from costs] in swapopt.plan),
+        # a replayed step's under step_graph (Note [replayed costs] in swapopt.costs)
+        costs = link_costs(self.ctx.device, replayed=knobs.step_graph)
         settings = (knobs.swap_optimizer_times, chunk_bytes, int(knobs.resident_mb * MiB), DEFAULT_ALIGN, ramp, costs,
                     knobs.slots)
         plan_key = (tuple(sizes), settings)

@@ -52,7 +52,8 @@ RAMP_MIN_CHUNKS = 8
 # the first chunks up and the last ones down (Note [ramp]), and whether to keep params whole with extra chunks or
 # cut them. Each costs chunks or copies, and each chunk and copy costs time that moves no bytes: its direction's
 # latency per copy (on the H100 2.7 us H2D, 1.7 us D2H once queued: SimPreset.latency_us) and the host's time to
-# issue a chunk (its launches and Python). Given the device's costs (``LinkCosts``: from the simulator's preset,
+# issue a chunk (its launches, its event records and stream waits, and Python; a replayed one's, its graph nodes:
+# Note [replayed costs] in swapopt.costs). Given the device's costs (``LinkCosts``: from the simulator's preset,
 # a calibrated preset file, or the h100/910b figures, swapopt.costs), make_plan builds the plans these choices
 # allow, at a few budgets from the even split up to the bound, and the plans the rules give for 2, 4 and 8 times
 # the chunks asked for, and keeps the one whose modeled time (``estimate_us``) is least, fewest chunks on a tie.
@@ -99,7 +100,7 @@ class LinkCosts:
     h2d_gbps: float  # one direction alone
     d2h_gbps: float
     duplex_gbps: float  # the most both carry together
-    host_chunk_us: float  # host time to issue one chunk: its launches and the pipeline's Python
+    host_chunk_us: float  # host time to issue one chunk: its launches, event calls and the pipeline's Python
     # The share of the two latencies an H2D copy pays (SimPreset.h2d_latency_share): 0.5, both the mean.
     h2d_latency_share: float = 0.5
     # (copy bytes, H2D GB/s, D2H GB/s) with both directions busy (SimPreset.duplex_table, link_sharing "sized");

@@ -60,8 +60,9 @@ def quiet_library_after() -> Iterator[None]:
 
 @pytest.fixture
 def sim_no_launch(clean_device_env: pytest.MonkeyPatch) -> Iterator[simulator.SimDevice]:
-    """A simulated H100 whose launches cost no host time, so modeled times are exact sums of op costs."""
-    preset = dataclasses.replace(simulator.PRESETS["h100"], launch_us=0.0)
+    """A simulated H100 whose launches and event calls cost no host time, so modeled times are exact sums of op
+    costs."""
+    preset = dataclasses.replace(simulator.PRESETS["h100"], launch_us=0.0, event_us=0.0)
     with simulator.activate(preset) as device:
         yield device
 

@@ -127,8 +127,8 @@ def test_states_are_views_of_one_arena_per_chunk_and_save_at_their_own_size(tmp_
 
 def test_copies_and_launches_per_chunk_are_fixed_whatever_the_tensor_count():
     """Counted on the simulator (deterministic): a chunk of whole params moves in one H2D and one D2H copy and
-    takes a fixed number of launches, whatever its number of tensors; a chunk holding a piece of a param cut
-    across chunks moves in one copy per state key each way (its states lie key by key in the arena those
+    takes a fixed number of launches and event calls, whatever its number of tensors; a chunk holding a piece of a
+    param cut across chunks moves in one copy per state key each way (its states lie key by key in the arena those
     chunks share, each key's pieces one run), never one per (param, state)."""
     from swapopt.bench.counts import count_call
 
@@ -153,6 +153,10 @@ def test_copies_and_launches_per_chunk_are_fixed_whatever_the_tensor_count():
     for c in (few, many):
         assert (c.h2d_copies, c.d2h_copies) == (chunks, chunks)
     assert few.launches == many.launches  # 8 or 64 tensors: the same launches per chunk
+    # and the same event records and stream waits: three of each a chunk (swapopt.costs.EVENT_CALLS_PER_CHUNK)
+    # and a few a step
+    assert few.runtime_calls == many.runtime_calls
+    assert 6 * chunks <= many.runtime_calls <= 6 * chunks + 8
 
     chunks, split = counts([(512, 256)], 8)  # one param cut into pieces: exp_avg and exp_avg_sq a run each
     assert chunks > 1

@@ -205,12 +205,22 @@ def test_layout_run_rows_have_every_field(sim):
 def test_layout_rows_scale_each_counted_steps_python_by_the_factor_timed_beside_it(sim, monkeypatch):
     """This machine's speed drifts within seconds: a counted step's Python is scaled by the mean of the factors timed
     right before and right after it (one step's after is the next one's before), and the row's Python ms is the median
-    of the scaled steps."""
+    of the scaled steps, each with the preset's event_us per event record and stream wait it made (unscaled: the
+    device host's own figure)."""
     cycle, factors = itertools.cycle([1.0, 3.0, 5.0, 9.0]), []
     monkeypatch.setattr(layout_run, "step_python_scale", lambda: factors.append(next(cycle)) or factors[-1])
     seen: list[float] = []
+    calls: list[int] = []
     python_host_s = StepCounts.python_host_s
-    monkeypatch.setattr(StepCounts, "python_host_s", lambda self: seen.append(python_host_s(self)) or seen[-1])
+
+    def counted(self: StepCounts) -> float:
+        calls.append(self.runtime_calls)
+        seen.append(python_host_s(self))
+        return seen[-1]
+
+    monkeypatch.setattr(StepCounts, "python_host_s", counted)
+    event_s = sim.preset.event_us * 1e-6
+    assert event_s > 0
     res = run_layout(_small_layout(), times=(2,), bandwidth_repeats=1)
     n = layout_run.HOST_REPEATS
     assert len(seen) == n * len(res.rows) and len(factors) == (n + 1) * len(res.rows)
@@ -220,7 +230,11 @@ def test_layout_rows_scale_each_counted_steps_python_by_the_factor_timed_beside_
         scales = [(a + b) / 2 for a, b in zip(timed, timed[1:])]
         assert len(set(scales)) > 1  # each step its own pair: 2, 4, 7, 5, ... from the cycle 1, 3, 5, 9
         assert r.python_scale == statistics.median(scales)
-        assert r.python_ms == pytest.approx(statistics.median(seen[j] * f for j, f in zip(steps, scales)) * 1e3)
+        assert r.python_ms == pytest.approx(
+            statistics.median(seen[j] * f + calls[j] * event_s for j, f in zip(steps, scales)) * 1e3
+        )
+        if r.kind == "swapopt":
+            assert min(calls[j] for j in steps) >= 6 * r.chunks  # three records and three waits a chunk
 
 
 def test_layout_run_flat_rows_take_the_flat_update(sim):

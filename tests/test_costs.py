@@ -20,7 +20,9 @@ def test_costs_come_from_the_simulators_preset():
     assert (got.copy_latency_us, got.h2d_gbps, got.d2h_gbps, got.duplex_gbps) == (
         p.copy_latency_us, p.h2d_gbps, p.d2h_gbps, p.duplex_gbps,
     )
-    assert got.host_chunk_us == costs.LAUNCHES_PER_CHUNK * p.launch_us + costs.PYTHON_CHUNK_US
+    assert got.host_chunk_us == pytest.approx(
+        costs.LAUNCHES_PER_CHUNK * p.launch_us + costs.EVENT_CALLS_PER_CHUNK * p.event_us + costs.PYTHON_CHUNK_US
+    )
     # each direction's latency and the rates with both busy, as the simulator times copies
     for way in ("h2d", "d2h"):
         assert got.latency_us(way) == pytest.approx(p.latency_us(way))

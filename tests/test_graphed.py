@@ -249,3 +249,32 @@ def test_the_npu_flavour_captures_with_npu_graphs() -> None:
 
     assert device.graph_api(NPUModule) == (object, NPUModule.graph)
     assert device.graph_api(torch.cpu) is None
+
+
+def test_a_step_graph_plan_is_made_with_a_replays_costs(sim) -> None:
+    """Note [replayed costs] (swapopt.costs): a replayed chunk costs the host nothing and the device a node gap per
+    launch and event, so where an eager step takes few large chunks to save host time, step_graph takes the smaller
+    ones the link wants, and replays them bitwise."""
+    from swapopt import costs
+
+    eager, replayed = costs.link_costs("cuda"), costs.link_costs("cuda", replayed=True)
+    gap = sim.preset.graph_node_gap_us
+    assert replayed.host_chunk_us == pytest.approx((costs.LAUNCHES_PER_CHUNK + costs.EVENT_CALLS_PER_CHUNK) * gap)
+    assert (replayed.host_copy_us, replayed.host_tensor_us) == (gap, 0.0)
+    assert replayed.host_chunk_us < eager.host_chunk_us / 5
+    chunks = {}
+    for graph in (False, True):
+        gen = torch.Generator().manual_seed(0)
+        ps = [torch.nn.Parameter(torch.randn(1 << 16, generator=gen).to(torch.get_default_device())) for _ in range(64)]
+        rs = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+        # a float lr: torch_npu's fused AdamW takes no tensor one (its CPU fallback cannot be captured)
+        opt = SwapOptimizer(O.AdamW(ps, lr=1e-2, fused=True), swap_optimizer_times=4, step_graph=graph)
+        ref = O.AdamW(rs, lr=1e-2, fused=True)
+        for step in range(5):
+            _set_grads(ps, rs, step)
+            opt.step()
+            ref.step()
+        _assert_bitwise(ps, opt, rs, ref)
+        assert (opt._graphed is not None) is graph
+        chunks[graph] = opt.swap_stats().chunks
+    assert chunks[False] == 4 < chunks[True]

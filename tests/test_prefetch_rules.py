@@ -55,7 +55,7 @@ def _ramp_run(prefetch: bool, knobs: dict):
 @pytest.mark.parametrize("knob", sorted(KNOBS))
 def test_prefetch_plans_no_ramp_where_one_forms_without_it(sim, knob, monkeypatch):
     # the ramp rule itself: the link's costs would leave out ramp chunks this small (Note [chunk count from costs])
-    monkeypatch.setattr("swapopt.layout.link_costs", lambda device_type: None)
+    monkeypatch.setattr("swapopt.layout.link_costs", lambda device_type, replayed=False: None)
     model, plain, used_plain = _ramp_run(False, KNOBS[knob])
     ramped = plain._layout.prepared.plan
     ramp = ramp_budgets(ramped.budget)

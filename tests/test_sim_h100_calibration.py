@@ -52,7 +52,8 @@ def queued_latency_us(direction: str, gbps: float) -> float:
 
 def test_the_h100_preset_is_the_fit_of_the_committed_run(measured):
     fitted = calibrated_preset(measured, H100, name="h100", when="2026-11-26", what_device="H100")
-    for name in ("h2d_gbps", "d2h_gbps", "duplex_gbps", "hbm_gbps", "bf16_tflops", "launch_us", "capacity_bytes"):
+    for name in ("h2d_gbps", "d2h_gbps", "duplex_gbps", "hbm_gbps", "bf16_tflops", "launch_us", "event_us",
+                 "capacity_bytes"):
         assert getattr(H100, name) == pytest.approx(getattr(fitted, name), rel=2e-3), name
         assert H100.measured[name] == pytest.approx(getattr(fitted, name), rel=1e-9), name
     # The latency: the queued copies' fit at the first run's rates; the first run's own fit, from copies timed as
@@ -77,7 +78,7 @@ def test_the_h100_preset_is_the_fit_of_the_committed_run(measured):
     # Every measured figure names the run: device, driver, date and file.
     host_figures = ("host_tensor_us", "host_ref_us", "launcher_tensor_us")
     for name in ("h2d_gbps", "d2h_gbps", "duplex_gbps", "duplex_table", "hbm_gbps", "bf16_tflops",
-                 "launch_us", "capacity_bytes", *host_figures):
+                 "launch_us", "event_us", "capacity_bytes", *host_figures):
         source = H100.sources[name]
         assert all(part in source for part in ("2026-11-26", "H100", "580.159.04", ".json" if name not in host_figures
                                                else "bench/results/cuda-h100-2026-11-26-verify-b.md")), (name, source)
@@ -236,3 +237,15 @@ def test_old_preset_files_load_and_new_ones_round_trip(tmp_path):
     with pytest.raises(ValueError, match="duplex_table"):
         load_preset(tmp_path / "bad.json")
     assert load_preset(save_preset(H100, tmp_path / "h100.json")) == H100
+
+
+def test_event_us_is_the_mean_of_a_timed_record_and_wait(measured):
+    """A calibration that timed stream waits too (verify since 2026-11-28) charges records and waits their mean; on
+    the simulator the probe times the simulator's own Python, and the base figure stays."""
+    launch = measured.launch.model_copy(update={"event_wait_us": 2.0})
+    timed = measured.model_copy(update={"launch": launch})
+    both = calibrated_preset(timed, H100, name="x", when="now", what_device="d")
+    assert both.event_us == pytest.approx((measured.launch.event_record_us + 2.0) / 2)
+    assert "stream wait" in both.sources["event_us"]
+    simulated = measured.model_copy(update={"launch": launch, "simulated": True})
+    assert calibrated_preset(simulated, H100, name="x", when="now", what_device="d").event_us == H100.event_us

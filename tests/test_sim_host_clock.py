@@ -33,6 +33,56 @@ def test_an_op_costs_the_host_launch_plus_its_tensors(sim):
     assert sim.now_us() - start == pytest.approx(H100.launch_us)
 
 
+def test_an_event_record_and_a_stream_wait_each_cost_the_host_event_us(sim):
+    """A record and a wait are calls into the runtime's stream queue: on the H100 a record cost the host 6.3 us, a
+    launch 6.2 (verify-a.json). A swapped step makes six a chunk; a wait for an event never recorded is still a call."""
+    assert H100.event_us > 0
+    side = sim.Stream()
+    sim.synchronize()
+    start = sim.now_us()
+    event = sim.current_stream().record_event()
+    assert sim.now_us() - start == pytest.approx(H100.event_us)
+    start = sim.now_us()
+    side.wait_event(event)
+    assert sim.now_us() - start == pytest.approx(H100.event_us)
+    start = sim.now_us()
+    side.wait_stream(sim.current_stream())  # a record and a wait
+    assert sim.now_us() - start == pytest.approx(2 * H100.event_us)
+    start = sim.now_us()
+    side.wait_event(sim.Event())
+    assert sim.now_us() - start == pytest.approx(H100.event_us)
+
+
+def test_a_captured_record_or_wait_costs_the_host_nothing(sim):
+    """Inside a capture the calls make graph nodes and edges, which the replay issues (graph_launch_us, its nodes)."""
+    x = torch.ones(16)
+    side, other = sim.Stream(), sim.Stream()
+    g = sim.CUDAGraph()
+    with sim.graph(g, stream=side):
+        other.wait_stream(side)
+        with sim.stream(other):
+            x.mul_(2)
+        side.wait_stream(other)
+        start = sim.now_us()
+        done = side.record_event()
+        side.wait_event(done)
+        assert sim.now_us() == start
+    g.replay()
+
+
+def test_the_planner_charges_a_chunk_its_event_calls():
+    """What the planner models a chunk's host time at (swapopt.costs): its launches, its six event calls, its Python."""
+    from swapopt import costs
+
+    modeled = costs._from_preset(H100)
+    assert costs.EVENT_CALLS_PER_CHUNK == 6
+    assert modeled.host_chunk_us == pytest.approx(
+        costs.LAUNCHES_PER_CHUNK * H100.launch_us + 6 * H100.event_us + costs.PYTHON_CHUNK_US
+    )
+    without = costs._from_preset(dataclasses.replace(H100, event_us=0.0))
+    assert modeled.host_chunk_us - without.host_chunk_us == pytest.approx(6 * H100.event_us)
+
+
 def _resident_step_ms(preset, params: int) -> tuple[float, float]:
     """(modeled step ms, host ms to issue it) of a resident fused AdamW step over `params` small params."""
     with simulator.activate(preset, sanitize=False) as dev:
@@ -43,8 +93,8 @@ def _resident_step_ms(preset, params: int) -> tuple[float, float]:
         opt.step()
         dev.synchronize()
         start, end = dev.Event(enable_timing=True), dev.Event(enable_timing=True)
-        host = dev.now_us()
         start.record()
+        host = dev.now_us()  # after the record, whose own call the host pays too (event_us)
         opt.step()
         host = dev.now_us() - host
         end.record()

@@ -282,6 +282,11 @@ class SimDevice(Storages, StreamOrdering, Dispatch, RaceChecks, OutsideDispatch,
         """Modeled host time in microseconds."""
         return self._timeline.host_us
 
+    def runtime_calls(self) -> int:
+        """Event records and stream waits the host has made outside a graph capture so far, each charged the preset's
+        ``event_us`` (Note [host clock] in device/sim/timeline.py)."""
+        return self._timeline.runtime_calls
+
     @property
     def timeline(self) -> list[TimelineOp]:
         return self._timeline.ops

@@ -347,8 +347,9 @@ class _Exec:
         preset = sim.preset
         timeline.charge_python()  # the program's Python before the launch ("measured" clock)
         timeline.host_us += preset.graph_launch_us
-        sim._record(self.start, stream)
-        sim._stream_wait(self.origin, self.start)
+        # The graph's joins and edges are the device's, issued by the one launch: the host pays no event calls.
+        sim._record(self.start, stream, by_host=False)
+        sim._stream_wait(self.origin, self.start, by_host=False)
         first = timeline.host_us
         gap = preset.graph_node_gap_us
         issued: dict[int, float] = {}
@@ -360,11 +361,12 @@ class _Exec:
                     issued[s.actor] = at = first if at is None else at + gap
                     self._run(sim, x, s, views, storages, at)
                 elif kind == _RECORD:
-                    sim._record(x, s)
+                    sim._record(x, s, by_host=False)
                 else:
-                    sim._stream_wait(s, x)
-        sim._record(self.end, self.origin)  # every joined stream was joined back into the origin (capture_end)
-        sim._stream_wait(stream, self.end)
+                    sim._stream_wait(s, x, by_host=False)
+        # every joined stream was joined back into the origin (capture_end)
+        sim._record(self.end, self.origin, by_host=False)
+        sim._stream_wait(stream, self.end, by_host=False)
         timeline.host_us += preset.graph_node_host_us * self.nodes
 
     @staticmethod

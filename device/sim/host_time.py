@@ -110,11 +110,12 @@ def counted_methods(*names: str) -> Callable[[type], type]:
 #   entry. An op goes through torch's mode stack (building the call's arguments, wrapping each tensor):
 #   ``entry_costs()`` measures that per entry and per tensor argument on a stand-in of the simulator's modes
 #   (passthrough ones, counted like the simulator's). A call of one of the simulator's own frames (a stream or event
-#   call, a simulated tensor's ``data_ptr``: C++ getters of well under a microsecond on a device) costs only the
-#   Python call and the frame's wrapper: ``frame_entry_us()``. The clock takes out each entry at its kind's cost
-#   (``calls()`` and ``frames()`` tell them apart), since a device host pays its own launch cost instead (the preset's
-#   launch figures). Taking an op's cost out for every frame would take out of a replayed step's address checks
-#   (a ``data_ptr`` per tensor) some 3 us a call more than they cost, and with it the Python around them;
+#   call, whose runtime cost the timeline charges as the preset's ``event_us``; a simulated tensor's ``data_ptr``, a
+#   C++ getter of well under a microsecond on a device) costs only the Python call and the frame's wrapper:
+#   ``frame_entry_us()``. The clock takes out each entry at its kind's cost (``calls()`` and ``frames()`` tell them
+#   apart), since a device host pays its own launch and event costs instead (the preset's figures). Taking an op's
+#   cost out for every frame would take out of a replayed step's address checks (a ``data_ptr`` per tensor) some
+#   3 us a call more than they cost, and with it the Python around them;
 # - what is left is scaled by the device host's speed against this machine's: the preset's ``host_ref_us`` (the
 #   device host's CPU time for ``reference_work()``) over ``reference_us()`` (this machine's, timed once per
 #   process by the clock; beside each counted step by the layout bench, ``python_scale_now``, since a shared

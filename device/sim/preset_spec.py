@@ -88,6 +88,10 @@ class SimPreset:
     # with none.
     host_ref_us: float = 0.0
     launcher_tensor_us: float = 0.0
+    # Host time of one event record or stream wait outside a capture (Note [host clock] in device/sim/timeline.py):
+    # a call into the runtime's stream queue, which a swapped step makes six times a chunk. Files written before it
+    # load with none.
+    event_us: float = 0.0
     # The host beside the device (device/sim/host_memory.py): RAM that pinned host memory is counted against
     # (SWAPOPT_SIM_HOST_MB overrides it), and how fast one thread pins host memory, in GB/s.
     host_capacity_bytes: int = 125 * GiB

@@ -90,8 +90,11 @@ _H100_LATENCY_RUN = ("measured on one H100 80GB HBM3, torch 2.11.0+cu130, 2026-1
 _TINY10K_HOST_TENSOR_US = (34_792.0 - 2 * 6.170815944671631 - 13.3) / 59_996
 # The measured host clock's figures for the H100's host (Note [scaled Python] in device/sim/host_time.py), derived
 # from the layout rows as the sources below say.
-HOST_REF_US = 1860.0
-LAUNCHER_TENSOR_US = 0.162
+HOST_REF_US = 1424.0
+LAUNCHER_TENSOR_US = 0.261
+# The H100 host's time per event record (verify-a.json, launch.event_record_us; 6.89 and 6.16 us in the runs of
+# verify-b.json and cuda-h100-2026-11-27-verify-quick.json). A stream wait is not timed there and is taken as a record.
+EVENT_US = 6.317325999994238
 
 PRESETS: dict[str, SimPreset] = {
     "h100": SimPreset(
@@ -117,6 +120,7 @@ PRESETS: dict[str, SimPreset] = {
         host_tensor_us=0.580,
         host_ref_us=HOST_REF_US,
         launcher_tensor_us=LAUNCHER_TENSOR_US,
+        event_us=EVENT_US,
         host_gbps=20.0,
         capacity_bytes=85_017_493_504,
         graph_launch_us=5.3,
@@ -137,6 +141,7 @@ PRESETS: dict[str, SimPreset] = {
             "host_tensor_us": _TINY10K_HOST_TENSOR_US,
             "host_ref_us": HOST_REF_US,
             "launcher_tensor_us": LAUNCHER_TENSOR_US,
+            "event_us": EVENT_US,
             "capacity_bytes": 85_017_493_504,
         },
         sources={
@@ -167,9 +172,11 @@ PRESETS: dict[str, SimPreset] = {
             "resident-fused, step ms)",
             "host_ref_us": f"derived from the layout rows of the run on {_H100_RUN}: "
             "it is the time that puts the measured clock's scaled Python of e190371's swapped fsdp256 step at 64 "
-            "chunks on the H100's host CPU time for it, 14.5 ms (bench/results/cuda-h100-2026-11-26-verify-b.md, "
-            "Layouts, fsdp256, swapopt t=64 s=3, host CPU ms), times this machine's reference_us() in that run "
-            "(bench/results/sim-h100-2026-11-26-fidelity-e190371-after.md, Calibration of the measured clock's figures). "
+            "chunks, with its launches, its 415 event records and waits at event_us and its tensors at "
+            "launcher_tensor_us, on the H100's host CPU time for it, 14.5 ms (bench/results/cuda-h100-2026-11-26-"
+            "verify-b.md, Layouts, fsdp256, swapopt t=64 s=3, host CPU ms), times this machine's reference_us() in "
+            "that run (bench/results/sim-h100-2026-11-26-fidelity-e190371-after.md, Calibration of the measured "
+            "clock's figures; refitted with event_us in sim-h100-2026-11-28-events.md). "
             "So it maps the simulator's Python (slower than torch's own on the same host: every op enters the "
             "simulator's modes) to the H100 host's, and is not that host's time for reference_work(), which leases "
             "of 2026-11-27 measured at 5,894-6,105 and 9,144-11,566 us (bench/results/cuda-h100-2026-11-27-undo.md)",
@@ -177,7 +184,11 @@ PRESETS: dict[str, SimPreset] = {
             "fused AdamW step (34.792 ms, "
             "bench/results/cuda-h100-2026-11-26-verify-b.md, Layouts, tiny10k, resident-fused, step ms) less "
             "2 launches, 13 us of device work and the measured clock's scaled Python of that step, over its 59,996 "
-            "tensors beyond two per op (bench/results/sim-h100-2026-11-26-fidelity-e190371-after.md, Calibration)",
+            "tensors beyond two per op (bench/results/sim-h100-2026-11-26-fidelity-e190371-after.md, Calibration; "
+            "refitted with host_ref_us in sim-h100-2026-11-28-events.md)",
+            "event_us": f"{_H100_MEASURED}: host wall time per event record, records issued back to back "
+            "(verify-a.json, launch.event_record_us; 6.89 and 6.16 us in verify-b.json and "
+            "cuda-h100-2026-11-27-verify-quick.json); a stream wait, not timed there, taken as a record",
             "host_gbps": "assumed: single-threaded CPU memory bandwidth",
             "capacity_bytes": f"{_H100_MEASURED}: total device memory the runtime reports (mem_get_info), "
             "79.2 GiB (verify-a.json)",
@@ -208,6 +219,7 @@ PRESETS: dict[str, SimPreset] = {
         fp32_tflops=78.0,
         fp64_tflops=39.0,
         launch_us=10.0,
+        event_us=10.0,
         host_gbps=20.0,
         capacity_bytes=64 * GiB,
         graph_launch_us=8.6,
@@ -236,6 +248,8 @@ PRESETS: dict[str, SimPreset] = {
             "fp64_tflops": "assumed: half the fp32 rate; the cube unit has no fp64 path",
             "capacity_bytes": "same guide, Atlas A2 column: 64 GB memory per Ascend 910B",
             "launch_us": "assumed: NPU op launch through the ACL runtime",
+            "event_us": "assumed: an event record or stream wait through the ACL runtime (aclrtRecordEvent, "
+            "aclrtStreamWaitEvent) costs the host a launch, as a record did on the H100 (6.3 us against 6.2)",
             "host_gbps": "assumed: single-threaded CPU memory bandwidth",
             "host_capacity_bytes": "assumed: 125 GiB, as the H100 host; Atlas 800T A2 servers carry more per NPU, "
             "set SWAPOPT_SIM_HOST_MB for the host at hand",

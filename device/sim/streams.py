@@ -270,19 +270,25 @@ class StreamOrdering:
         self._actor_names.append(name)
         return name
 
-    def _record(self, event: SimEvent, stream: SimStream) -> None:
+    def _record(self, event: SimEvent, stream: SimStream, by_host: bool = True) -> None:
+        """`event` recorded on `stream`; `by_host`: a call the host makes (not a replayed graph's own join)."""
         if self._captures and stream.actor in self._captures:  # Note [graph capture]: a node of the graph
             self._capture_record(event, stream)
             return
         event.captured = None
+        if by_host:
+            self._timeline.runtime_call()  # Note [host clock]: the host pays the call before the record is queued
         self._clocks.merge_actor(stream.actor, self._host())  # recording is a launch: it follows the host's past
         event.clock = self._clocks.snapshot(stream.actor)
         event.time_us = max(stream.tail_us, self._timeline.host_us)
 
-    def _stream_wait(self, stream: SimStream, event: SimEvent) -> None:
+    def _stream_wait(self, stream: SimStream, event: SimEvent, by_host: bool = True) -> None:
+        """`stream` waits for `event`; `by_host`: as in _record."""
         if event.captured is not None or (self._captures and stream.actor in self._captures):
             self._capture_wait(stream, event)  # Note [graph capture]: joins, forks and captured waits
             return
+        if by_host:
+            self._timeline.runtime_call()  # Note [host clock]: the call costs the host even where it waits for nothing
         if event.clock is None:  # waiting on a never-recorded event is a no-op, as in CUDA
             return
         self._clocks.merge_actor(stream.actor, self._host())

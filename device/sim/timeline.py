@@ -29,8 +29,10 @@ Costs, as on the hardware:
 
 Note [host clock]: a device op cannot start before the host has issued it. The host clock advances by
 `launch_us` per launched op, plus per tensor the op takes beyond its first two (a fused or foreach op over many
-tensors: its launcher, and the optimizer's Python that gathered its lists, walk every one), plus the host's own
-work (host ops at `host_gbps`, blocking waits). Two clocks:
+tensors: its launcher, and the optimizer's Python that gathered its lists, walk every one), plus `event_us` per
+event record and per stream wait outside a capture (calls into the runtime's stream queue: on the H100 a record
+cost the host 6.3 us, a launch 6.2; a swapped step makes six a chunk), plus the host's own work (host ops at
+`host_gbps`, blocking waits). Two clocks:
 - "ops" (the default): the per-tensor cost is `host_tensor_us`, the launcher's and the optimizer's Python together
   (calibrated on a resident fused step, where nothing else runs on the host). The program's own Python between ops
   is not charged. Deterministic, so tests may assert modeled times.
@@ -99,6 +101,7 @@ class Timeline:
     def __init__(self, preset: SimPreset, max_ops: int = 200_000, host_clock: str | None = None) -> None:
         self.preset = preset
         self.host_us = 0.0
+        self.runtime_calls = 0  # event records and stream waits the host made outside a capture (runtime_call)
         self.host_clock = host_clock or host_clock_from_env()
         if self.host_clock not in HOST_CLOCKS:
             raise ValueError(f"host_clock must be one of {', '.join(HOST_CLOCKS)}, got {self.host_clock!r}")
@@ -387,6 +390,14 @@ class Timeline:
                 self.python_scale = host_time.python_scale_now(self.preset.host_ref_us)
             finally:
                 host_time.leave()
+
+    def runtime_call(self) -> None:
+        """The host records an event or makes a stream wait for one (not while capturing): it pays `event_us`,
+        after the program's Python before the call under the "measured" clock (Note [host clock])."""
+        if self.host_clock == "measured":
+            self.charge_python()
+        self.host_us += self.preset.event_us
+        self.runtime_calls += 1
 
     def host_op(self, nbytes: int, name: str, label: str | None) -> None:
         if self.host_clock == "measured":

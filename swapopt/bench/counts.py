@@ -53,6 +53,10 @@ class StepCounts(BaseModel):
     outside_host_s: float = 0.0
     outside_calls: int = 0
     tensor_args: int = 0  # tensors handed to the ops this mode saw, list members included
+    # On the simulator: the event records and stream waits made (SimDevice.runtime_calls), C++ calls into the
+    # runtime on a device, whose host time is then in its Python figure and on the simulator is the preset's
+    # event_us each (python_ms in swapopt.bench.layout_run). 0 on a device: there they are in cpu_s already.
+    runtime_calls: int = 0
 
     def own_host_s(self, device_work_on_host: bool) -> float:
         """The call's own host work: its CPU time less this counter's cost and, when the device's work
@@ -98,7 +102,9 @@ class LaunchCounter(TorchDispatchMode):
 
     def __enter__(self) -> LaunchCounter:
         # The simulator must be active below this mode, so the ops it sees are already classified.
-        device.get_torch_device_module()
+        mod = device.get_torch_device_module()
+        self._runtime = getattr(mod, "runtime_calls", None)  # the simulator's
+        self._runtime_from = self._runtime() if self._runtime is not None else 0
         self._start = time.thread_time()
         self._outside, self._calls = host_time.seconds(), host_time.calls()
         return super().__enter__()
@@ -108,6 +114,8 @@ class LaunchCounter(TorchDispatchMode):
         self.counts.cpu_s += time.thread_time() - self._start
         self.counts.outside_host_s += host_time.seconds() - self._outside
         self.counts.outside_calls += host_time.calls() - self._calls
+        if self._runtime is not None:
+            self.counts.runtime_calls += self._runtime() - self._runtime_from
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

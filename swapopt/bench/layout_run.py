@@ -72,7 +72,8 @@ class LayoutRow(BaseModel):
     # Python host time: the counted step's CPU time outside every aten op (less the counter's cost). On
     # the simulator each op also runs the simulator's Python accounting, which no device has: this is the
     # part of host_ms that carries over to a GPU or NPU; on the simulator scaled to the preset's host
-    # (python_scale).
+    # (python_scale), plus the preset's event_us per event record and stream wait (runtime calls, which on a
+    # device are in this figure as the CPU time they take).
     python_ms: float | None = None
     # What python_ms was scaled by: 1 on a device; on the simulator the median of the counted steps' factors, each
     # timed beside its step (step_python_scale). None in results written before.
@@ -190,7 +191,10 @@ def _measure(
         row.aten_ops, row.launches = counts.aten_ops, counts.launches
         on_host = device.is_simulated()
         row.host_ms = statistics.median(c.own_host_s(device_work_on_host=on_host) for c in runs) * 1e3
-        row.python_ms = statistics.median(c.python_host_s() * f for c, f in zip(runs, scales)) * 1e3
+        event_s = getattr(getattr(mod, "preset", None), "event_us", 0.0) * 1e-6
+        row.python_ms = 1e3 * statistics.median(
+            c.python_host_s() * f + c.runtime_calls * event_s for c, f in zip(runs, scales)
+        )
         row.python_scale = statistics.median(scales)
         row.h2d_copies, row.d2h_copies = counts.h2d_copies, counts.d2h_copies
         pinned_after = _pinned_now()
@@ -405,7 +409,8 @@ def layouts_markdown(results: Sequence[LayoutResult]) -> str:
         out[-1] += (
             f" On the simulator Python ms is this machine's scaled to the preset's host: {factor} (the preset's "
             "host_ref_us over this machine's time for the same reference Python, Note [scaled Python] in "
-            "device/sim/host_time.py)."
+            "device/sim/host_time.py), plus the preset's event_us for each event record and stream wait (calls into "
+            "the runtime, in a device's Python ms as the CPU time they take)."
         )
     out.append("")
     for res in results:

@@ -194,8 +194,9 @@ def markdown(report: Report, chart: str | None = None, timeline: str | None = No
             f"Simulator preset: H2D {report.preset['h2d_gbps']} GB/s, D2H {report.preset['d2h_gbps']} GB/s, "
             f"both at once {report.preset.get('duplex_gbps', '-')} GB/s, copy latency "
             f"{report.preset.get('copy_latency_us', '-')} us, HBM {report.preset['hbm_gbps']} GB/s, host "
-            f"{report.preset['host_gbps']} GB/s, launch {report.preset['launch_us']} us; times are modeled "
-            "(deterministic)."
+            f"{report.preset['host_gbps']} GB/s, launch {report.preset['launch_us']} us"
+            + (f", event record or wait {report.preset['event_us']:.2f} us" if report.preset.get("event_us") else "")
+            + "; times are modeled (deterministic)."
         )
     parts = ["\n".join(head)]
     if report.sizes:

@@ -69,6 +69,8 @@ class LaunchCost(BaseModel):
     host_launch_us: float  # host wall time per launch (on the simulator: its own Python, not modeled)
     event_record_us: float  # host wall time per event record (same caveat)
     event_gap_us: float  # device time between two events recorded back to back
+    # Host wall time per stream wait on a recorded event (same caveat). None in calibrations made before it.
+    event_wait_us: float | None = None
     # Host wall time of a resident fused AdamW step over many small tensors, per tensor its ops take (the
     # preset's host_tensor_us; on the simulator, its own Python). None in calibrations made before it.
     host_tensor_us: float | None = None
@@ -237,15 +239,19 @@ def _timed(fn: Callable[[], None], repeats: int, busy: Callable[[], None] | None
 
 
 def measure_adamw(numels: list[int], repeats: int, on_done: Callable[[], None] = lambda: None) -> list[StepPoint]:
-    """One fused AdamW step over one fp32 tensor of each size (the kernel swapopt runs per chunk)."""
+    """One fused AdamW step over one fp32 tensor of each size (the kernel swapopt runs per chunk), timed behind a
+    head start (Note [queued copies]): the host's calls, the window's end record among them, are issued before
+    the device reaches them, so the window holds the kernels' time alone, as the simulator prices a kernel."""
     dev = device.torch_device()
+    mod = device.get_torch_device_module()
+    head = _HeadStart()
     points = []
     for numel in numels:
         param = torch.nn.Parameter(torch.zeros(numel, device=dev))
         param.grad = torch.full_like(param, 1e-3)
         opt = torch.optim.AdamW([param], lr=1e-3, fused=True)
         opt.step()  # creates the states
-        ms = _timed(opt.step, repeats)
+        ms = _timed(opt.step, repeats, busy=lambda: mod.current_stream().wait_event(head.start()))
         points.append(StepPoint(numel=numel, ms=ms))
         logger.info("fused AdamW step, {:,} params: {:.3f} ms", numel, ms)
         del opt, param
@@ -275,8 +281,8 @@ def measure_launch(count: int, host_tensors: int) -> LaunchCost:
     mod = device.get_torch_device_module()
     x = torch.zeros(1, device=device.torch_device())
 
-    def tiny() -> None:
-        for _ in range(count):
+    def tiny(n: int = count) -> None:
+        for _ in range(n):
             x.add_(1)
 
     tiny()
@@ -284,6 +290,9 @@ def measure_launch(count: int, host_tensors: int) -> LaunchCost:
     t0 = time.perf_counter()
     ms = _timed(tiny, 1)
     host_s = time.perf_counter() - t0
+    # A window's end is recorded once the host has issued that call too: with the device waiting on the host, its
+    # time is in the window. Two windows of count and 2 x count launches, differenced, leave it out.
+    ms = _timed(lambda: tiny(2 * count), 1) - ms
     events = [_event() for _ in range(count)]
     mod.synchronize()
     t0 = time.perf_counter()
@@ -292,8 +301,15 @@ def measure_launch(count: int, host_tensors: int) -> LaunchCost:
     record_s = time.perf_counter() - t0
     events[-1].synchronize()
     gap_ms = events[0].elapsed_time(events[-1]) / max(count - 1, 1)
+    stream = mod.current_stream()
+    t0 = time.perf_counter()
+    for e in events:  # every one done: the waits cost the host their calls, the device nothing
+        stream.wait_event(e)
+    wait_s = time.perf_counter() - t0
+    mod.synchronize()
     return LaunchCost(kernel_us=ms * 1e3 / count, host_launch_us=host_s * 1e6 / count,
                       event_record_us=record_s * 1e6 / count, event_gap_us=gap_ms * 1e3,
+                      event_wait_us=wait_s * 1e6 / count,
                       host_tensor_us=measure_host_per_tensor(host_tensors, host_s * 1e6 / count),
                       host_ref_us=_reference_us())
 

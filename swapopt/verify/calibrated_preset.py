@@ -18,7 +18,9 @@ read off one probe, so the calibrated simulator reproduces the measured times at
 - launch: device time per back-to-back tiny kernel;
 - host time per tensor (`host_tensor_us`, Note [host clock] in device/sim/timeline.py): the host wall time of a
   resident fused AdamW step over many small tensors, less its two launches, per tensor its ops take; on a
-  device only (on the simulator the probe times the simulator's own Python).
+  device only (on the simulator the probe times the simulator's own Python);
+- host time per event record or stream wait (`event_us`): those calls issued back to back, their mean; on a device
+  only, as above.
 A figure that cannot be fitted keeps the base preset's value, and the preset's sources say which is which.
 """
 
@@ -188,6 +190,11 @@ def calibrated_preset(cal: Calibration, base: SimPreset, *, name: str, when: str
         values["host_tensor_us"] = cal.launch.host_tensor_us
         how["host_tensor_us"] = ("host time of a resident fused AdamW step over many small tensors, per tensor its "
                                  "ops take")
+    if not cal.simulated:  # a record and a wait are charged alike (SimPreset.event_us): their mean where both timed
+        timed = [t for t in (cal.launch.event_record_us, cal.launch.event_wait_us) if t is not None]
+        values["event_us"] = sum(timed) / len(timed)
+        how["event_us"] = ("host wall time per event record and per stream wait, issued back to back, their mean"
+                           if len(timed) == 2 else "host wall time per event record, issued back to back")
     if cal.launch.host_ref_us is not None and not cal.simulated:
         values["host_ref_us"] = cal.launch.host_ref_us
         how["host_ref_us"] = "the host's CPU time for device.sim.host_time.reference_work(), least of 15 runs"

@@ -21,7 +21,7 @@ from swapopt.verify.plan import VerifyPlan
 
 # Preset figures shown base against calibrated (the rest of a preset is not measured here).
 PRESET_FIGURES = ("h2d_gbps", "d2h_gbps", "duplex_gbps", "copy_latency_us", "hbm_gbps", "bf16_tflops", "launch_us",
-                  "capacity_bytes")
+                  "event_us", "capacity_bytes")
 
 
 class Phase(BaseModel):
