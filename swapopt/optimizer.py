@@ -603,8 +603,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         try:
             graph = graphed.GraphedStep.capture(ctx, self._layout, prep, mod)
         except Exception as err:  # noqa: BLE001 - nothing ran: the step runs without a graph (Note [graphed step])
-            self._graph_off = repr(err)
-            self._steady = None
+            self._give_up_graphs(repr(err))
             ctx.warn_once("graph", f"swapopt: step_graph: the step could not be captured ({err!r}); steps run without "
                           "a graph")  # fmt: skip
             logger.opt(exception=err).debug("swapopt step_graph: capture failed")
@@ -629,10 +628,18 @@ class SwapOptimizer(torch.optim.Optimizer):
             self._checked = prep
             reason = graphed.why_not(ctx, prep, kwargs, mod)
             if reason is not None:
-                self._graph_off = reason
+                self._give_up_graphs(reason)
                 ctx.warn_once("graph", f"swapopt: step_graph is on but the step cannot be captured: {reason}; steps "
                               "run without a graph")  # fmt: skip
         self._steady = prep if steady and self._graph_off is None else None
+
+    def _give_up_graphs(self, reason: str) -> None:
+        """step_graph: this optimizer's steps cannot be captured (``reason``) and it does not try again; the next step
+        plans for eager steps, since the plan for replays (Note [replayed costs] in swapopt.costs) would cost the host
+        time on every chunk."""
+        self._graph_off, self._steady = reason, None
+        self._ctx.graph_off = True
+        self._layout.prepared = None
 
     def _measure_resident(self, mod: Any, params: list[torch.Tensor], groups: list[int]) -> None:
         """resident_mb="auto": measure the device's spare memory and, when the budget changes, hand the planner

@@ -278,3 +278,23 @@ def test_a_step_graph_plan_is_made_with_a_replays_costs(sim) -> None:
         assert (opt._graphed is not None) is graph
         chunks[graph] = opt.swap_stats().chunks
     assert chunks[False] == 4 < chunks[True]
+
+
+def test_steps_that_cannot_be_captured_are_planned_as_eager_ones(sim) -> None:
+    """step_graph on an optimizer whose steps a replay could not redo (Adam's step counts on the host): the steps run
+    eagerly, with a warning, and from the next step on with an eager step's plan (Note [replayed costs]), bitwise."""
+    gen = torch.Generator().manual_seed(0)
+    ps = [torch.nn.Parameter(torch.randn(1 << 16, generator=gen).to(torch.get_default_device())) for _ in range(64)]
+    rs = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    opt = SwapOptimizer(O.Adam(ps, lr=1e-2, foreach=True), swap_optimizer_times=4, step_graph=True)
+    ref = O.Adam(rs, lr=1e-2, foreach=True)
+    seen = []
+    with pytest.warns(UserWarning, match="cannot be captured"):
+        for step in range(4):
+            _set_grads(ps, rs, step)
+            opt.step()
+            ref.step()
+            seen.append(opt.swap_stats().chunks)
+    _assert_bitwise(ps, opt, rs, ref)
+    assert opt._graphed is None
+    assert seen[0] > 4 and seen[1:] == [4, 4, 4]  # planned for replays, then, once refused, for eager steps
