@@ -25,9 +25,9 @@ class StepContext:
     masters: Masters  # fp32 masters of low-precision params (master_weights), empty otherwise
     device: str = "cpu"  # the device type the layout was built for (get_device() at the last step)
     warned: set[str] = field(default_factory=set)  # once-only warnings already given
-    # step_graph is on but this optimizer's steps cannot be captured: plans are an eager step's (Note [replayed
-    # costs] in swapopt.costs)
-    graph_off: bool = False
+    # step_graph is on but this optimizer's steps cannot be captured, and why: it does not try again, and plans are
+    # an eager step's (Note [replayed costs] in swapopt.costs)
+    graph_off: str | None = None
     # Per group: step-time copies of tensor hyperparameters (overlap_forward), set for the length of a step.
     hyper: dict[int, dict[str, Any]] = field(default_factory=dict)
 

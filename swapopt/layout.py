@@ -515,7 +515,7 @@ class HostLayout:
         ramp = not knobs.prefetch
         # the link's costs choose between plans of the same budget (Note [chunk count from costs] in swapopt.plan),
         # a replayed step's under step_graph while steps can be captured (Note [replayed costs] in swapopt.costs)
-        costs = link_costs(self.ctx.device, replayed=knobs.step_graph and not self.ctx.graph_off)
+        costs = link_costs(self.ctx.device, replayed=knobs.step_graph and self.ctx.graph_off is None)
         settings = (knobs.swap_optimizer_times, chunk_bytes, int(knobs.resident_mb * MiB), DEFAULT_ALIGN, ramp, costs,
                     knobs.slots)
         plan_key = (tuple(sizes), settings)

@@ -203,12 +203,12 @@ class SwapOptimizer(torch.optim.Optimizer):
         self._layout = HostLayout(self._ctx)  # host states, arenas and the plan (swapopt.layout)
         self._stats = SwapStats()
         # step_graph (Note [graphed step] in swapopt.graphed): the captured step, the plan whose last step ran
-        # steadily (the next one of it is captured), captures in a row, and why capturing stopped (None: it did not)
+        # steadily (the next one of it is captured), captures in a row; why capturing stopped is the context's
+        # (_graph_off), which the planner reads too
         self._graphed: graphed.GraphedStep | None = None
         self._steady: Any = None
         self._checked: Any = None  # the plan why_not last looked at
         self._captures = 0
-        self._graph_off: str | None = None
         _claim(optimizer, self)
         self._ready = True
         self._ctx.device = device.get_device()
@@ -633,12 +633,16 @@ class SwapOptimizer(torch.optim.Optimizer):
                               "run without a graph")  # fmt: skip
         self._steady = prep if steady and self._graph_off is None else None
 
+    @property
+    def _graph_off(self) -> str | None:
+        """step_graph: why this optimizer's steps cannot be captured (None: they can, or it is off)."""
+        return self._ctx.graph_off
+
     def _give_up_graphs(self, reason: str) -> None:
         """step_graph: this optimizer's steps cannot be captured (``reason``) and it does not try again; the next step
         plans for eager steps, since the plan for replays (Note [replayed costs] in swapopt.costs) would cost the host
         time on every chunk."""
-        self._graph_off, self._steady = reason, None
-        self._ctx.graph_off = True
+        self._ctx.graph_off, self._steady = reason, None
         self._layout.prepared = None
 
     def _measure_resident(self, mod: Any, params: list[torch.Tensor], groups: list[int]) -> None:

@@ -251,6 +251,13 @@ def test_the_npu_flavour_captures_with_npu_graphs() -> None:
     assert device.graph_api(torch.cpu) is None
 
 
+def _many_small_params() -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter]]:
+    """64 params of 64 Ki elements on the device and their twins: few chunks eagerly at 4 requested, more replayed."""
+    gen = torch.Generator().manual_seed(0)
+    ps = [torch.nn.Parameter(torch.randn(1 << 16, generator=gen).to(torch.get_default_device())) for _ in range(64)]
+    return ps, [torch.nn.Parameter(p.detach().clone()) for p in ps]
+
+
 def test_a_step_graph_plan_is_made_with_a_replays_costs(sim) -> None:
     """Note [replayed costs] (swapopt.costs): a replayed chunk costs the host nothing and the device a node gap per
     launch and event, so where an eager step takes few large chunks to save host time, step_graph takes the smaller
@@ -264,9 +271,7 @@ def test_a_step_graph_plan_is_made_with_a_replays_costs(sim) -> None:
     assert replayed.host_chunk_us < eager.host_chunk_us / 5
     chunks = {}
     for graph in (False, True):
-        gen = torch.Generator().manual_seed(0)
-        ps = [torch.nn.Parameter(torch.randn(1 << 16, generator=gen).to(torch.get_default_device())) for _ in range(64)]
-        rs = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+        ps, rs = _many_small_params()
         # a float lr: torch_npu's fused AdamW takes no tensor one (its CPU fallback cannot be captured)
         opt = SwapOptimizer(O.AdamW(ps, lr=1e-2, fused=True), swap_optimizer_times=4, step_graph=graph)
         ref = O.AdamW(rs, lr=1e-2, fused=True)
@@ -283,9 +288,7 @@ def test_a_step_graph_plan_is_made_with_a_replays_costs(sim) -> None:
 def test_steps_that_cannot_be_captured_are_planned_as_eager_ones(sim) -> None:
     """step_graph on an optimizer whose steps a replay could not redo (Adam's step counts on the host): the steps run
     eagerly, with a warning, and from the next step on with an eager step's plan (Note [replayed costs]), bitwise."""
-    gen = torch.Generator().manual_seed(0)
-    ps = [torch.nn.Parameter(torch.randn(1 << 16, generator=gen).to(torch.get_default_device())) for _ in range(64)]
-    rs = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    ps, rs = _many_small_params()
     opt = SwapOptimizer(O.Adam(ps, lr=1e-2, foreach=True), swap_optimizer_times=4, step_graph=True)
     ref = O.Adam(rs, lr=1e-2, foreach=True)
     seen = []
