@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from loguru import logger
 
-from device.sim import entry_points
+from device.sim import entry_points, signals
 from device.sim.accesses import StorageInfo as _Storage
 from device.sim.active import _ACTIVE, active
 from device.sim.backend import backend_name, register, registered_flavour
@@ -180,6 +180,7 @@ class SimDevice(Storages, StreamOrdering, Dispatch, RaceChecks, OutsideDispatch,
         self._init_graphs()  # CUDAGraph / NPUGraph, graph(), the captures underway (device/sim/graphs.py)
         self._default = self.Stream(name="compute")
         self._comm: SimStream | None = None
+        self._sigint_gate: signals.SignalGate | None = None  # while active (Note [signals inside simulated ops])
 
     def __repr__(self) -> str:
         return f"<SimDevice {self.preset.name} capacity={fmt_bytes(self.capacity_bytes)}>"
@@ -310,6 +311,7 @@ class SimDevice(Storages, StreamOrdering, Dispatch, RaceChecks, OutsideDispatch,
         self._grad_mode.__enter__()
         self._multithreading = torch._C._is_multithreading_enabled()
         torch._C._set_multithreading_enabled(False)  # Note [backward on the caller's thread]
+        self._sigint_gate = signals.gate_sigint()  # Note [signals inside simulated ops]
         logger.debug("simulated device {} active", self.preset.name)
 
     def _stop(self, _finalizing: Any = sys.is_finalizing) -> None:
@@ -326,6 +328,8 @@ class SimDevice(Storages, StreamOrdering, Dispatch, RaceChecks, OutsideDispatch,
         entry_points.present_cuda(inner if entry_points.routes_cuda(inner) else None)
         if not _ACTIVE:
             entry_points.uninstall()
+        gate, self._sigint_gate = self._sigint_gate, None
+        signals.ungate(gate)  # last: a Ctrl-C held until now raises here, with the simulator put away
 
     @contextmanager
     def untagged(self) -> Iterator[None]:

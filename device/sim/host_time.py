@@ -52,6 +52,11 @@ def leave() -> None:
         st.total += time.thread_time() - st.start
 
 
+def depth() -> int:
+    """Simulator frames open on this thread (0: the program's own code is running)."""
+    return _local.depth
+
+
 def seconds() -> float:
     """CPU seconds this thread has spent inside simulator frames (outermost ones only), so far."""
     st = _state()

@@ -5,18 +5,14 @@ from __future__ import annotations
 
 import functools
 import gc
-import signal
-import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from device.sim import host_time
+from device.sim import host_time, signals
 from device.sim.active import _ACTIVE, active
 from device.sim.entry_points import _routed, routes_cuda
 from device.sim.frames import skip_dynamo
@@ -31,6 +27,7 @@ _UNLOCKED = frozenset({"c10d", "_c10d_functional", "c10d_functional", "_dtensor"
 
 _thread_time = time.thread_time
 _counters = host_time._local
+_OWED, _deliver_owed = signals.OWED, signals.deliver_owed  # Note [signals inside simulated ops]
 _autograd_node = torch._C._current_autograd_node
 _gc_isenabled, _gc_disable, _gc_enable = gc.isenabled, gc.disable, gc.enable
 
@@ -83,6 +80,8 @@ def _sim_dispatch(self: _SimMode, func: Any, types: Any, args: tuple = (), kwarg
         counters.depth -= 1
         if counters.depth == 0:
             counters.total += _thread_time() - counters.start
+            if _OWED:  # a Ctrl-C noted inside the op, handed over as it returns (Note [signals inside simulated ops])
+                _deliver_owed()
 
 
 _SKIPS_DYNAMO = skip_dynamo(_sim_dispatch.__code__)
@@ -133,8 +132,9 @@ def _tag_outputs(out: Any, stream: SimStream) -> None:
 # (grad_fn.register_hook, Module full backward hooks) cannot be wrapped from Python and still end the process.
 # A signal is the same case: on hardware the backward pass is C++ that waits with the GIL released, so
 # Python's SIGINT handler runs (and KeyboardInterrupt is raised) only once backward() returns; here the
-# pass runs Python (the dispatch mode), where the handler would raise mid-pass and end the process. So a
-# SIGINT during a simulated pass is held and handed to the handler that was installed when it returns.
+# pass runs Python (the dispatch mode), where the handler would raise mid-pass and end the process. So the
+# pass gates SIGINT, as every simulated op does (Note [signals inside simulated ops] in device/sim/signals.py):
+# a Ctrl-C during it reaches the handler when backward() returns.
 
 # Note [streams inside a backward pass]
 # An op runs on the stream current on its thread when it is issued. During a backward pass, CUDA's engine
@@ -165,35 +165,6 @@ def _errors_kept(hook: Any, sim: SimDevice) -> Any:
     return run
 
 
-@contextmanager
-def _sigint_held_until_return() -> Iterator[None]:
-    """Hold SIGINT for the body (Note [backward on the caller's thread]), then deliver it as hardware would.
-    Signal handlers belong to the main thread; elsewhere, or inside a held body, there is nothing to do."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.getsignal(signal.SIGINT)
-    if getattr(previous, "_swapopt_holds_sigint", False):
-        yield
-        return
-    received: list[tuple[int, Any]] = []
-
-    def hold(signum: int, frame: Any) -> None:
-        received.append((signum, frame))
-
-    hold._swapopt_holds_sigint = True  # type: ignore[attr-defined]
-    signal.signal(signal.SIGINT, hold)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    if received:
-        if callable(previous):
-            previous(*received[0])
-        elif previous == signal.SIG_DFL:
-            signal.raise_signal(signal.SIGINT)  # the default action, now that the pass is over
-
-
 class _StreamTagMode(TorchFunctionMode):
     """Remembers, on each autograd node made while a non-default stream is current, that stream: PyTorch runs
     a backward op on the stream of its forward op."""
@@ -212,7 +183,7 @@ class _StreamTagMode(TorchFunctionMode):
         try:
             sim = self.sim
             if func in _BACKWARD and active() is sim:
-                with _sigint_held_until_return(), sim._backward_call():
+                with signals.gated(), sim._backward_call():
                     try:
                         out = func(*args, **(kwargs or {}))
                     finally:
@@ -235,3 +206,5 @@ class _StreamTagMode(TorchFunctionMode):
             counters.depth -= 1
             if counters.depth == 0:
                 counters.total += _thread_time() - counters.start
+            if _OWED:  # a Ctrl-C noted inside the op, handed over as it returns (Note [signals inside simulated ops])
+                _deliver_owed()

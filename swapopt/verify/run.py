@@ -25,6 +25,7 @@ import inspect
 import json
 import platform
 import signal
+import sys
 import tempfile
 import threading
 import time
@@ -77,8 +78,10 @@ class PhaseStopped(BaseException):
 
 
 def _sim_holds_signals() -> bool:
-    """Whether the simulator is inside a region that holds signals until it returns (device.sim.modes)."""
-    return bool(getattr(signal.getsignal(signal.SIGINT), "_swapopt_holds_sigint", False))
+    """Whether the main thread is inside the simulator's own Python (an op, a backward pass), where a handler must
+    not raise (Note [signals inside simulated ops] in device/sim/signals.py); False where no simulator was loaded."""
+    signals = sys.modules.get("device.sim.signals")
+    return signals is not None and signals.inside_simulator()
 
 
 @contextlib.contextmanager
@@ -94,8 +97,8 @@ def _time_limit(seconds: float | None) -> Iterator[None]:
         if not armed:
             return
         if _sim_holds_signals():
-            # Try again soon: the simulator's held regions (a backward pass) can take most of a phase's time,
-            # and a retry that lands in one more region would let the phase run on.
+            # Try again soon: the simulator's own Python (a backward pass, an op) can take most of a phase's
+            # time, and a retry that lands in one more region would let the phase run on.
             signal.setitimer(signal.ITIMER_REAL, 0.002)
             return
         # Armed again before raising: a stop that lands in a finalizer or a weakref callback is swallowed by
