@@ -22,6 +22,7 @@ import device
 from device.sim import host_time
 from device.sim.presets import SimPreset
 from swapopt import flat as flat_update
+from swapopt.bench import hardware_refs
 from swapopt.bench.counts import count_call, host_cpu_seconds, pinned_host_bytes
 from swapopt.bench.layouts import Layout, get_layout, make_layout_params, scale_to_fit
 from swapopt.bench.measure import (
@@ -89,6 +90,9 @@ class LayoutRow(BaseModel):
     cap_bytes: int | None = None  # (slots + 1) x chunk bytes
     pinned_bytes: int | None = None
     note: str = ""
+    # On the simulator: step / bound of each run of this very row on the preset's device, from committed results
+    # (Note [hardware beside the model] in swapopt.bench.hardware_refs); None where it never ran it, and on a device.
+    hardware_ratios: list[float] | None = None
 
 
 class LayoutResult(BaseModel):
@@ -113,6 +117,8 @@ class LayoutResult(BaseModel):
     # the Python speed of the host the rows ran on. Host-bound rows move with it from host to host (a device lease
     # is a different host each time), so results of two runs compare only beside it. None in results written before.
     host_ref_us: float | None = None
+    # Where the rows' hardware_ratios come from (the device, the date, the code it ran, the files); None without.
+    hardware: str | None = None
 
 
 def default_max_numel() -> int:
@@ -283,12 +289,24 @@ def run_layout(
     for r in rows:  # the floor at the row's own copy size: a sized link moves small copies at lower rates
         if r.kind.startswith("swapopt") and r.chunk_bytes:
             r.floor_ms = link_floor_ms(state_bytes, state_bytes, bandwidth, r.chunk_bytes)[0]
-    return derive(LayoutResult(
+    res = derive(LayoutResult(
         layout=shape.name, source=shape.source, scale=shape.scale, tensors=shape.count, numel=shape.numel,
         state_bytes=state_bytes, bandwidth=bandwidth, resident_ms=resident_ms, bound_ms=bound, rows=rows,
         floor_ms=floor, link_sharing=rule, host_ref_us=host_ref_us,
         python_scale=statistics.median(scales) if (scales := [r.python_scale for r in rows if r.python_scale]) else None,
     ))
+    preset = getattr(device.get_torch_device_module(), "preset", None)
+    return attach_hardware(res, preset.name) if isinstance(preset, SimPreset) else res
+
+
+def attach_hardware(res: LayoutResult, preset: str) -> LayoutResult:
+    """Each row's step / bound as ``preset``'s device measured it, where it ran that row (Note [hardware beside
+    the model] in swapopt.bench.hardware_refs)."""
+    for r in res.rows:
+        found = hardware_refs.measured_ratios(preset, res.layout, res.tensors, res.numel, r.label)
+        r.hardware_ratios = list(found) if found else None
+    res.hardware = hardware_refs.source(preset) if any(r.hardware_ratios for r in res.rows) else None
+    return res
 
 
 def link_floor_ms(
@@ -386,6 +404,10 @@ def _num(x: float | int | None, fmt: str = "{:,}") -> str:
     return "-" if x is None else fmt.format(x)
 
 
+def _ratios(values: Sequence[float] | None) -> str:
+    return "-" if not values else " / ".join(f"{v:.2f}" for v in values)
+
+
 def layouts_markdown(results: Sequence[LayoutResult]) -> str:
     """A section per layout: the bound, then one row per strategy with its structural counts."""
     out = ["## Layouts: step against the bound, with the counts that explain it", ""]
@@ -430,19 +452,28 @@ def layouts_markdown(results: Sequence[LayoutResult]) -> str:
                f" Host reference Python {res.host_ref_us:,.0f} us (this host's time for "
                "`device.sim.host_time.reference_work()`: host-bound rows move with it from host to host).")
         )
+        if res.hardware:
+            out.append("")
+            out.append(f"Measured step / bound: the same rows (layout, sizes, strategy, chunks asked, slots) on the "
+                       f"device, {res.hardware}, whose code may plan other chunk counts than this one (Note [hardware "
+                       "beside the model] in swapopt/bench/hardware_refs.py).")
+        measured = res.hardware is not None
         out.append("")
         out.append(
-            "| strategy | chunks | step ms | step / bound | back to back ms | back to back / bound | step / floor | "
+            "| strategy | chunks | step ms | step / bound | " + ("measured step / bound | " if measured else "")
+            + "back to back ms | back to back / bound | step / floor | "
             "launches | target | H2D copies | D2H copies | "
             "aten ops | host CPU ms | own host ms | Python ms | Python limit ms | Python / limit | Python / resident | "
             "extra host us/param | peak extra MiB | cap MiB | pinned MiB | state MiB |"
         )
-        out.append("|" + "---|" * 23)
+        out.append("|" + "---|" * (23 + measured))
         for r in res.rows:
             state = _mib(res.state_bytes) if r.kind.startswith("swapopt") else "-"
             out.append(
                 f"| {r.label}{' (' + r.note + ')' if r.note else ''} | {_num(r.chunks)} | "
-                f"{_num(r.step_ms, '{:.3f}')} | {_num(r.ratio, '{:.2f}')} | {_num(r.b2b_ms, '{:.3f}')} | "
+                f"{_num(r.step_ms, '{:.3f}')} | {_num(r.ratio, '{:.2f}')} | "
+                + (f"{_ratios(r.hardware_ratios)} | " if measured else "")
+                + f"{_num(r.b2b_ms, '{:.3f}')} | "
                 f"{_num(r.b2b_ratio, '{:.2f}')} | {_num(r.floor_ratio, '{:.3f}')} | "
                 f"{_num(r.launches)} | "
                 f"{_num(r.launch_target)} | {_num(r.h2d_copies)} | {_num(r.d2h_copies)} | {_num(r.aten_ops)} | "
@@ -461,10 +492,11 @@ def layouts_markdown(results: Sequence[LayoutResult]) -> str:
 
 def layouts_summary(results: Sequence[LayoutResult]) -> str:
     """One line per swapopt row, for the terminal: step / bound and the counts against their targets."""
+    measured = any(res.hardware for res in results)
     lines = [
-        "| layout | tensors | strategy | step / bound | back to back / bound | launches (target) | H2D / D2H copies | "
-        "extra host us/param |",
-        "|---|---:|---|---:|---:|---:|---:|---:|",
+        "| layout | tensors | strategy | step / bound | " + ("measured step / bound | " if measured else "")
+        + "back to back / bound | launches (target) | H2D / D2H copies | extra host us/param |",
+        "|---|---:|---|---:|" + ("---:|" if measured else "") + "---:|---:|---:|---:|",
     ]
     for res in results:
         for r in res.rows:
@@ -472,7 +504,8 @@ def layouts_summary(results: Sequence[LayoutResult]) -> str:
                 continue
             lines.append(
                 f"| {res.layout} | {res.tensors:,} | {r.label}{' ' + r.note if r.note else ''} | "
-                f"{_num(r.ratio, '{:.2f}x')} | {_num(r.b2b_ratio, '{:.2f}x')} | "
+                f"{_num(r.ratio, '{:.2f}x')} | " + (f"{_ratios(r.hardware_ratios)} | " if measured else "")
+                + f"{_num(r.b2b_ratio, '{:.2f}x')} | "
                 f"{_num(r.launches)} ({_num(r.launch_target)}) | "
                 f"{_num(r.h2d_copies)} / {_num(r.d2h_copies)} | {_num(r.extra_host_us_per_param, '{:.1f}')} |"
             )

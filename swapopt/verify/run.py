@@ -11,8 +11,9 @@ swapopt.bench.capacity is installed, the capacity table, each phase stopped at i
 any CPU machine, to the report the quick run wrote (``python -m swapopt.verify --model REPORT.json``).
 
 A limit is enforced with SIGALRM in the main thread: the phase's Python is interrupted where it is (a single long
-call into torch, such as one pinned allocation, finishes first), except inside the simulator's backward on the
-caller's thread, which holds signals until it returns (device.sim.modes): there the stop waits for that.
+call into torch, such as one pinned allocation, finishes first), except inside the simulator's own Python (an op, a
+backward pass), where raising would cross torch's C++ (Note [signals inside simulated ops] in device/sim/signals.py):
+there the stop waits until it returns.
 """
 
 from __future__ import annotations
