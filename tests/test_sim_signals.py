@@ -140,3 +140,27 @@ def test_a_storm_of_ctrl_c_through_training_steps_never_ends_the_process():
     assert run.returncode == 0, run.stderr[-3000:]
     words = run.stdout.split()
     assert words[0] == "steps" and words[2] == "caught" and int(words[3]) > 100, run.stdout
+
+
+def test_a_ctrl_c_held_in_an_op_goes_to_the_main_thread_not_to_a_worker_whose_op_returns_first():
+    # Noted while the main thread was inside an op; a worker thread's op then returns before the main thread's next
+    # one: the handler runs on the main thread, as Python runs every signal handler.
+    code = textwrap.dedent("""
+    import threading, torch
+    from device.sim import activate, signals
+    seen = []
+    with activate() as dev:
+        x = torch.ones(4).to(dev.torch_device())
+        signals.OWED.append((lambda signum, frame: seen.append(threading.current_thread().name), 2, None))
+        worker = threading.Thread(target=lambda: x.add(1), name="worker")
+        worker.start()
+        worker.join()
+        print("after the worker's op", seen)
+        x.add(1)
+        print("after the main thread's op", seen)
+    """)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    env.pop("SWAPOPT_DEVICE", None)
+    run = cli_zygote.run(["-c", code], cwd=os.getcwd(), env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.splitlines() == ["after the worker's op []", "after the main thread's op ['MainThread']"], run.stdout

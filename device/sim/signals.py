@@ -99,7 +99,8 @@ def gated() -> Iterator[None]:
 
 def deliver_owed() -> None:
     """Hand a signal noted inside a simulator frame to its handler (which may raise KeyboardInterrupt): called by
-    the outermost op or torch function as it returns, and when a gate comes off."""
-    if OWED and host_time.depth() == 0:
+    the outermost op or torch function as it returns, and when a gate comes off. Only on the main thread, where
+    Python runs signal handlers: another thread's op returning leaves it for the main thread's next one."""
+    if OWED and host_time.depth() == 0 and _main_thread():
         handler, signum, frame = OWED.pop()
         handler(signum, frame)
