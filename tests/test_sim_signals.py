@@ -5,6 +5,7 @@ op is C++. Each case runs in its own process: what it guards against is a std::t
 from __future__ import annotations
 
 import os
+import subprocess
 import textwrap
 from pathlib import Path
 
@@ -43,11 +44,15 @@ print("gated", inside, "restored", signal.getsignal(signal.SIGINT) is handler)
 """
 
 
-def _run(handler_body: str) -> tuple[int, str, str]:
-    code = textwrap.dedent(_PROGRAM.replace("HANDLER_BODY", handler_body))
+def _python(code: str) -> subprocess.CompletedProcess:
+    """``code`` in a process of its own (forked from the CLI zygote), on the simulator picked by the code."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     env.pop("SWAPOPT_DEVICE", None)
-    run = cli_zygote.run(["-c", code], cwd=os.getcwd(), env=env, timeout=300)
+    return cli_zygote.run(["-c", code], cwd=os.getcwd(), env=env, timeout=300)
+
+
+def _run(handler_body: str) -> tuple[int, str, str]:
+    run = _python(textwrap.dedent(_PROGRAM.replace("HANDLER_BODY", handler_body)))
     return run.returncode, run.stdout, run.stderr
 
 
@@ -79,9 +84,7 @@ def test_ignored_ctrl_c_stays_ignored_and_is_not_gated():
             y = (x.requires_grad_() * 2).sum()
     print("gated", gated, "ignored", signal.getsignal(signal.SIGINT) is signal.SIG_IGN)
     """)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    env.pop("SWAPOPT_DEVICE", None)
-    run = cli_zygote.run(["-c", code], cwd=os.getcwd(), env=env, timeout=300)
+    run = _python(code)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.split() == "gated False ignored True".split(), run.stdout
 
@@ -134,9 +137,7 @@ print("steps", steps, "caught", caught[0])
 
 
 def test_a_storm_of_ctrl_c_through_training_steps_never_ends_the_process():
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    env.pop("SWAPOPT_DEVICE", None)
-    run = cli_zygote.run(["-c", _STORM], cwd=os.getcwd(), env=env, timeout=300)
+    run = _python(_STORM)
     assert run.returncode == 0, run.stderr[-3000:]
     words = run.stdout.split()
     assert words[0] == "steps" and words[2] == "caught" and int(words[3]) > 100, run.stdout
@@ -159,8 +160,6 @@ def test_a_ctrl_c_held_in_an_op_goes_to_the_main_thread_not_to_a_worker_whose_op
         x.add(1)
         print("after the main thread's op", seen)
     """)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    env.pop("SWAPOPT_DEVICE", None)
-    run = cli_zygote.run(["-c", code], cwd=os.getcwd(), env=env, timeout=300)
+    run = _python(code)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.splitlines() == ["after the worker's op []", "after the main thread's op ['MainThread']"], run.stdout

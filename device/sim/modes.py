@@ -206,5 +206,5 @@ class _StreamTagMode(TorchFunctionMode):
             counters.depth -= 1
             if counters.depth == 0:
                 counters.total += _thread_time() - counters.start
-            if _OWED:  # a Ctrl-C noted inside the op, handed over as it returns (Note [signals inside simulated ops])
-                _deliver_owed()
+                if _OWED:  # a Ctrl-C noted inside the op, handed over as it returns (Note [signals inside simulated ops])
+                    _deliver_owed()

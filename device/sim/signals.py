@@ -46,7 +46,7 @@ class SignalGate:
         self.handler = handler
 
     def __call__(self, signum: int, frame: FrameType | None) -> Any:
-        if host_time.depth() > 0:  # handlers run on the main thread: its depth
+        if inside_simulator():  # handlers run on the main thread: its depth
             if not OWED:  # a second Ctrl-C before the op returns is the same interrupt
                 OWED.append((self.handler, signum, frame))
             return None
@@ -93,8 +93,7 @@ def gated() -> Iterator[None]:
     try:
         yield
     finally:
-        if gate is not None and signal.getsignal(signal.SIGINT) is gate:
-            signal.signal(signal.SIGINT, gate.handler)  # owed signals go at the op's return, as any other
+        ungate(gate)  # still inside the op's frame: an owed signal goes at its return, as any other
 
 
 def deliver_owed() -> None:

@@ -197,7 +197,7 @@ def _measure(
         row.aten_ops, row.launches = counts.aten_ops, counts.launches
         on_host = device.is_simulated()
         row.host_ms = statistics.median(c.own_host_s(device_work_on_host=on_host) for c in runs) * 1e3
-        event_s = getattr(getattr(mod, "preset", None), "event_us", 0.0) * 1e-6
+        event_s = preset.event_us * 1e-6 if (preset := _sim_preset()) is not None else 0.0
         row.python_ms = 1e3 * statistics.median(
             c.python_host_s() * f + c.runtime_calls * event_s for c, f in zip(runs, scales)
         )
@@ -228,10 +228,16 @@ def _measure(
     return row
 
 
+def _sim_preset() -> SimPreset | None:
+    """The active simulator's preset; None on a device."""
+    preset = getattr(device.get_torch_device_module(), "preset", None)
+    return preset if isinstance(preset, SimPreset) else None
+
+
 def _host_ref_us() -> float | None:
     """The device host's time for the reference Python: the simulator preset's host_ref_us; None on a device."""
-    preset = getattr(device.get_torch_device_module(), "preset", None)
-    return preset.host_ref_us if isinstance(preset, SimPreset) else None
+    preset = _sim_preset()
+    return preset.host_ref_us if preset is not None else None
 
 
 def step_python_scale() -> float:
@@ -295,8 +301,8 @@ def run_layout(
         floor_ms=floor, link_sharing=rule, host_ref_us=host_ref_us,
         python_scale=statistics.median(scales) if (scales := [r.python_scale for r in rows if r.python_scale]) else None,
     ))
-    preset = getattr(device.get_torch_device_module(), "preset", None)
-    return attach_hardware(res, preset.name) if isinstance(preset, SimPreset) else res
+    preset = _sim_preset()
+    return attach_hardware(res, preset.name) if preset is not None else res
 
 
 def attach_hardware(res: LayoutResult, preset: str) -> LayoutResult:
@@ -317,8 +323,8 @@ def link_floor_ms(
     ``copy_bytes`` (a sized link's rates depend on it; None: the least over its sizes); on a device, from the
     measured rates (both directions' bytes through the most they moved together, no less than either alone
     at its own rate), which assumes a link that lets the two split that evenly (rule None)."""
-    preset = getattr(device.get_torch_device_module(), "preset", None)
-    if isinstance(preset, SimPreset):
+    preset = _sim_preset()
+    if preset is not None:
         return preset.link_floor_us(h2d_bytes, d2h_bytes, copy_bytes) / 1e3, preset.link_sharing
     both = (bw.h2d_both + bw.d2h_both) * 1e6  # bytes per ms
     alone = max(h2d_bytes / (bw.h2d_alone * 1e6), d2h_bytes / (bw.d2h_alone * 1e6))
